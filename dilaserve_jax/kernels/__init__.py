@@ -1,0 +1,27 @@
+"""Attention implementations. Every attention call in the model goes through `attention`."""
+from __future__ import annotations
+
+import jax
+
+from dilaserve_jax.kernels.reference import reference_attention
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
+
+
+def resolve_attention(impl: str) -> str:
+    """Map "auto" to the implementation for the default backend: Pallas on GPU/TPU, XLA on CPU."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"attention must be one of {IMPLEMENTATIONS}, got {impl!r}")
+    if impl == "auto":
+        return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "xla"
+    return impl
+
+
+def attention(q, k, v, valid_len, impl: str = "xla"):
+    """Bidirectional GQA attention of q [B,Q,H,D] over k/v [B,L,KVH,D], keys masked past valid_len [B]."""
+    impl = resolve_attention(impl)
+    if impl == "xla":
+        return reference_attention(q, k, v, valid_len)
+    from dilaserve_jax.kernels.flash import flash_attention  # Pallas; imported lazily
+
+    return flash_attention(q, k, v, valid_len)
