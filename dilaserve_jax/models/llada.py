@@ -1,0 +1,151 @@
+"""LLaDA-style masked-diffusion transformer in pure Flax NNX.
+
+Bidirectional attention, pre-RMSNorm, rotate-half RoPE, SwiGLU MLP, no biases, untied LM head,
+grouped-query attention. The forward pass is shaped for cached decoding: it takes query tokens and
+their absolute positions, optionally a K/V cache covering the whole canvas, and returns logits for
+the queries plus the (post-RoPE) K/V it computed for them.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dilaserve_jax.kernels import attention
+from dilaserve_jax.models.config import ModelConfig
+
+
+def _dtype(name: str):
+    return jnp.bfloat16 if name == "bfloat16" else jnp.float32
+
+
+class LayerKV(NamedTuple):
+    """Keys (post-RoPE) and values of one layer: each [B, L, KVH, D]."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+class Dense(nnx.Module):
+    """Bias-free projection; kernel stored [in, out] (the transpose of torch's layout)."""
+
+    def __init__(self, d_in: int, d_out: int, *, param_dtype, rngs: nnx.Rngs):
+        init = jax.nn.initializers.normal(stddev=d_in**-0.5)
+        self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), param_dtype))
+
+    def __call__(self, x):
+        return x @ self.kernel[...].astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, param_dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x, positions, theta: float):
+    """Rotate-half rotary embedding of x [B, Q, heads, D] at absolute positions [B, Q], in float32."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, Q, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (xf * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
+def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """Scatter new [B, Q, KVH, D] into cache [B, L, KVH, D] at positions [B, Q].
+
+    Positions >= L are padding queries and are dropped, so callers can pad query sets freely.
+    """
+    rows = jnp.arange(cache.shape[0])[:, None]
+    return cache.at[rows, positions].set(new.astype(cache.dtype), mode="drop")
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        pd = _dtype(cfg.param_dtype)
+        self.cfg = cfg
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_eps, param_dtype=pd)
+        self.q_proj = Dense(cfg.d_model, cfg.n_heads * cfg.head_dim, param_dtype=pd, rngs=rngs)
+        self.k_proj = Dense(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, param_dtype=pd, rngs=rngs)
+        self.v_proj = Dense(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, param_dtype=pd, rngs=rngs)
+        self.attn_out = Dense(cfg.n_heads * cfg.head_dim, cfg.d_model, param_dtype=pd, rngs=rngs)
+        self.ff_norm = RMSNorm(cfg.d_model, cfg.rms_eps, param_dtype=pd)
+        self.ff_proj = Dense(cfg.d_model, cfg.mlp_hidden, param_dtype=pd, rngs=rngs)  # SiLU gate
+        self.up_proj = Dense(cfg.d_model, cfg.mlp_hidden, param_dtype=pd, rngs=rngs)
+        self.ff_out = Dense(cfg.mlp_hidden, cfg.d_model, param_dtype=pd, rngs=rngs)  # down projection
+
+    def __call__(self, x, positions, cache: LayerKV | None, valid_len):
+        cfg = self.cfg
+        b, q_len, _ = x.shape
+        h = self.attn_norm(x)
+        q = rope(self.q_proj(h).reshape(b, q_len, cfg.n_heads, cfg.head_dim), positions, cfg.rope_theta)
+        k = rope(self.k_proj(h).reshape(b, q_len, cfg.n_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
+        v = self.v_proj(h).reshape(b, q_len, cfg.n_kv_heads, cfg.head_dim)
+        if cache is None:
+            keys, values = k, v
+        else:
+            keys, values = write_kv(cache.k, k, positions), write_kv(cache.v, v, positions)
+        attn = attention(q, keys, values, valid_len, impl=cfg.attention)
+        x = x + self.attn_out(attn.reshape(b, q_len, cfg.n_heads * cfg.head_dim))
+        h = self.ff_norm(x)
+        x = x + self.ff_out(jax.nn.silu(self.ff_proj(h)) * self.up_proj(h))
+        return x, LayerKV(k, v)
+
+
+class LLaDAModel(nnx.Module):
+    """Masked-diffusion LM. Parameter names mirror the LLaDA checkpoint (see models/hf.py)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        pd = _dtype(cfg.param_dtype)
+        self.cfg = cfg
+        self.wte = nnx.Param(jax.nn.initializers.normal(stddev=1.0)(rngs.params(), (cfg.vocab_size, cfg.d_model), pd))
+        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.ln_f = RMSNorm(cfg.d_model, cfg.rms_eps, param_dtype=pd)
+        self.lm_head = Dense(cfg.d_model, cfg.vocab_size, param_dtype=pd, rngs=rngs)
+
+    def __call__(self, tokens, positions, kv_cache: Sequence[LayerKV] | None = None, valid_len=None):
+        """Forward pass for query tokens [B, Q] at absolute positions [B, Q].
+
+        kv_cache: per layer, K/V [B, L, KVH, D] of the whole canvas; the queries' fresh K/V are
+        written over it at their positions before attending. Without a cache the queries attend
+        to each other only, so they must be the whole canvas in position order.
+        valid_len: [B] keys at positions >= valid_len are ignored (defaults to all keys).
+        Returns (logits [B, Q, V] float32, per-layer LayerKV of the queries [B, Q, KVH, D]).
+        """
+        cfg = self.cfg
+        b = tokens.shape[0]
+        if valid_len is None:
+            n_keys = tokens.shape[1] if kv_cache is None else kv_cache[0].k.shape[1]
+            valid_len = jnp.full((b,), n_keys, jnp.int32)
+        x = self.wte[...][tokens].astype(_dtype(cfg.dtype))
+        new_kv = []
+        for i, block in enumerate(self.blocks):
+            x, kv = block(x, positions, None if kv_cache is None else kv_cache[i], valid_len)
+            new_kv.append(kv)
+        logits = self.lm_head(self.ln_f(x)).astype(jnp.float32)
+        return logits, new_kv
+
+
+def init_model(cfg: ModelConfig, seed: int = 0) -> LLaDAModel:
+    return LLaDAModel(cfg, rngs=nnx.Rngs(seed))
+
+
+def forward(graphdef, params, tokens, positions, kv_cache=None, valid_len=None):
+    """Pure forward over split (graphdef, params): what jitted serving code calls."""
+    model = nnx.merge(graphdef, params)
+    return model(tokens, positions, kv_cache, valid_len)
+
+
+def canvas_positions(batch: int, length: int):
+    return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
