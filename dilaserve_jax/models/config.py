@@ -92,6 +92,8 @@ def test() -> ModelConfig:
     )
 
 
+test.__test__ = False  # a preset, not a test function, when imported into a test module
+
 PRESETS = {"llada_8b": llada_8b, "dream_7b": dream_7b, "tiny": tiny, "test": test}
 
 
