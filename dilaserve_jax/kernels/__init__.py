@@ -17,11 +17,26 @@ def resolve_attention(impl: str) -> str:
     return impl
 
 
-def attention(q, k, v, valid_len, impl: str = "xla"):
-    """Bidirectional GQA attention of q [B,Q,H,D] over k/v [B,L,KVH,D], keys masked past valid_len [B]."""
+def describe_attention(impl: str) -> str:
+    """One line naming what `impl` runs as on this backend, for start-up logs."""
+    resolved = resolve_attention(impl)
+    backend = jax.default_backend()
+    if resolved == "xla":
+        return f"attention={impl} -> xla reference (backend {backend})"
+    from dilaserve_jax.kernels.flash import default_interpret, default_lowering
+
+    mode = "interpret mode" if default_interpret() else "compiled"
+    return f"attention={impl} -> pallas flash kernel ({default_lowering()} layout, {mode}, backend {backend})"
+
+
+def attention(q, k, v, valid_len, impl: str = "xla", **kernel_options):
+    """Bidirectional GQA attention of q [B,Q,H,D] over k/v [B,L,KVH,D], keys masked past valid_len [B].
+
+    kernel_options (block_q, block_k, lowering, interpret) go to the Pallas kernel only.
+    """
     impl = resolve_attention(impl)
     if impl == "xla":
         return reference_attention(q, k, v, valid_len)
     from dilaserve_jax.kernels.flash import flash_attention  # Pallas; imported lazily
 
-    return flash_attention(q, k, v, valid_len)
+    return flash_attention(q, k, v, valid_len, **kernel_options)
