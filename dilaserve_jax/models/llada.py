@@ -114,14 +114,17 @@ class LLaDAModel(nnx.Module):
         self.ln_f = RMSNorm(cfg.d_model, cfg.rms_eps, param_dtype=pd)
         self.lm_head = Dense(cfg.d_model, cfg.vocab_size, param_dtype=pd, rngs=rngs)
 
-    def __call__(self, tokens, positions, kv_cache: Sequence[LayerKV] | None = None, valid_len=None):
+    def __call__(self, tokens, positions, kv_cache: Sequence[LayerKV] | None = None, valid_len=None,
+                 logits_at=None):
         """Forward pass for query tokens [B, Q] at absolute positions [B, Q].
 
         kv_cache: per layer, K/V [B, L, KVH, D] of the whole canvas; the queries' fresh K/V are
         written over it at their positions before attending. Without a cache the queries attend
         to each other only, so they must be the whole canvas in position order.
         valid_len: [B] keys at positions >= valid_len are ignored (defaults to all keys).
-        Returns (logits [B, Q, V] float32, per-layer LayerKV of the queries [B, Q, KVH, D]).
+        logits_at: optional [B, O] query indices whose logits to return (a decoding step only needs
+        the current block's; skipping the rest saves the LM head's cost on long canvases).
+        Returns (logits [B, Q or O, V] float32, per-layer LayerKV of the queries [B, Q, KVH, D]).
         """
         cfg = self.cfg
         b = tokens.shape[0]
@@ -133,6 +136,8 @@ class LLaDAModel(nnx.Module):
         for i, block in enumerate(self.blocks):
             x, kv = block(x, positions, None if kv_cache is None else kv_cache[i], valid_len)
             new_kv.append(kv)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
         logits = self.lm_head(self.ln_f(x)).astype(jnp.float32)
         return logits, new_kv
 
@@ -141,10 +146,10 @@ def init_model(cfg: ModelConfig, seed: int = 0) -> LLaDAModel:
     return LLaDAModel(cfg, rngs=nnx.Rngs(seed))
 
 
-def forward(graphdef, params, tokens, positions, kv_cache=None, valid_len=None):
+def forward(graphdef, params, tokens, positions, kv_cache=None, valid_len=None, logits_at=None):
     """Pure forward over split (graphdef, params): what jitted serving code calls."""
     model = nnx.merge(graphdef, params)
-    return model(tokens, positions, kv_cache, valid_len)
+    return model(tokens, positions, kv_cache, valid_len, logits_at)
 
 
 def canvas_positions(batch: int, length: int):

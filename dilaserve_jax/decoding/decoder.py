@@ -1,0 +1,245 @@
+"""SlotDecoder: the host side of fast decoding — slot table, bucketing, dispatch to compiled steps.
+
+It owns one DecodeState whose canvas length is the largest length bucket. Each admitted request
+gets the smallest length bucket that holds prompt + answer and the smallest block bucket that holds
+its block length; a step runs over canvas positions [0, length bucket) only. A batch whose slots
+have different buckets runs as one executable per bucket pair (a request's numerics thus never
+depend on what shares its batch); with one length and block bucket that is always one executable.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from dilaserve_jax.decoding.buckets import (CacheMode, StepShape, StepType, bucket_for, powers_of_two_up_to,
+                                            prefix_query_buckets, shapes_for)
+from dilaserve_jax.decoding.compiled import ADMIT, CompiledSteps, placement_key, put_small, replicated_on
+from dilaserve_jax.decoding.state import DecodeState, init_state
+from dilaserve_jax.models.config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderConfig:
+    """Slots, buckets and cache mode of one decoder (one serving instance)."""
+
+    num_slots: int
+    length_buckets: tuple[int, ...]
+    block_buckets: tuple[int, ...] = (32,)
+    cache_mode: CacheMode = CacheMode.DUAL
+
+    def __post_init__(self):
+        object.__setattr__(self, "cache_mode", CacheMode(self.cache_mode))
+        object.__setattr__(self, "length_buckets", tuple(sorted(set(self.length_buckets))))
+        object.__setattr__(self, "block_buckets", tuple(sorted(set(self.block_buckets))))
+        if self.num_slots < 1:
+            raise ValueError(f"num_slots must be positive, got {self.num_slots}")
+        if not self.length_buckets or min(self.length_buckets) < 1:
+            raise ValueError(f"length_buckets must be positive and non-empty, got {self.length_buckets}")
+        if not self.block_buckets or min(self.block_buckets) < 1:
+            raise ValueError(f"block_buckets must be positive and non-empty, got {self.block_buckets}")
+        if self.block_buckets[0] > self.length_buckets[-1]:
+            raise ValueError("the smallest block bucket exceeds every length bucket")
+
+    @property
+    def batch_buckets(self) -> tuple[int, ...]:
+        return powers_of_two_up_to(self.num_slots)
+
+    @property
+    def max_length(self) -> int:
+        return self.length_buckets[-1]
+
+    def step_shapes(self) -> list[StepShape]:
+        return shapes_for(self.cache_mode, self.batch_buckets, self.length_buckets, self.block_buckets)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotStep:
+    """What one step did to one slot. Positions are answer-relative (0 = first answer token)."""
+
+    slot: int
+    positions: tuple[int, ...]
+    tokens: tuple[int, ...]
+    n_committed: int
+    max_confidence: float
+    block_finished: bool
+    request_finished: bool
+
+
+@dataclass
+class _Slot:
+    prompt_len: int
+    answer_len: int
+    block_len: int
+    length: int  # length bucket
+    block: int  # block bucket
+    block_start: int
+    needs_refresh: bool
+    finished: bool
+    canvas: np.ndarray  # host mirror of [0, prompt_len + answer_len)
+
+
+class SlotDecoder:
+    """Batched fast decoding over a fixed set of slots; see the module docstring.
+
+    params and state placement are the caller's: pass params already placed (replicated or sharded
+    over an instance's mesh) and `state_sharding` (a DecodeState-shaped tree or one sharding) for
+    the state; the compiled steps follow the inputs' placement and are cached per placement.
+    """
+
+    def __init__(self, cfg: ModelConfig, graphdef, params, config: DecoderConfig, *, state_sharding: Any = None,
+                 compiled: CompiledSteps | None = None, warm_up: bool = True, progress: bool = True):
+        if config.max_length > cfg.max_len:
+            raise ValueError(f"length bucket {config.max_length} exceeds the model's max_len {cfg.max_len}")
+        self.cfg, self.graphdef, self.params, self.config = cfg, graphdef, params, config
+        self.state: DecodeState = init_state(cfg, config.num_slots, config.max_length,
+                                             with_cache=config.cache_mode is not CacheMode.NONE,
+                                             sharding=state_sharding)
+        self.compiled = compiled if compiled is not None else CompiledSteps(cfg, graphdef)
+        self._small = replicated_on(self.state.canvas.sharding)
+        self._placement = placement_key(params, self.state)
+        self._slots: dict[int, _Slot] = {}
+        self.warm_up_seconds = self.compiled.warm_up(config.step_shapes(), params, self.state, self._placement,
+                                                     progress) if warm_up else 0.0
+
+    @property
+    def num_slots(self) -> int:
+        return self.config.num_slots
+
+    @property
+    def devices(self) -> frozenset:
+        return frozenset(self.state.canvas.sharding.device_set)
+
+    def reload(self, params) -> None:
+        """Swap weights between steps (same structure; a new placement compiles once, then is cached)."""
+        if jax.tree.structure(params) != jax.tree.structure(self.params):
+            raise ValueError("reload: params have a different structure from the current ones")
+        self.params = params
+        self._placement = placement_key(params, self.state)
+
+    def admit(self, slot: int, prompt_tokens: Sequence[int], answer_length: int, block_length: int, *,
+              temperature: float = 0.0, seed: int = 0) -> None:
+        """Place a fresh canvas in `slot` (which must be free); its next step must be a refresh."""
+        self._check_slot(slot)
+        if slot in self._slots:
+            raise ValueError(f"slot {slot} is occupied; release it first")
+        prompt = [int(t) for t in prompt_tokens]
+        if not prompt or answer_length < 1 or block_length < 1:
+            raise ValueError("need a non-empty prompt and positive answer and block lengths")
+        if any(not 0 <= t < self.cfg.vocab_size or t == self.cfg.mask_id for t in prompt):
+            raise ValueError("prompt tokens must be in the vocabulary and must not be the mask token")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        total = len(prompt) + answer_length
+        length = bucket_for(total, self.config.length_buckets)
+        block = bucket_for(block_length, self.config.block_buckets)
+        if block > length:
+            raise ValueError(f"block bucket {block} is longer than the canvas bucket {length}")
+        row = np.full((self.config.max_length,), self.cfg.pad_id, np.int32)
+        row[:len(prompt)] = prompt
+        row[len(prompt):total] = self.cfg.mask_id
+        exe = self.compiled.get(ADMIT, self.params, self.state, self._placement)
+        args = [put_small(v, dt, self._small) for v, dt in (
+            (slot, np.int32), (row, np.int32), (len(prompt), np.int32), (answer_length, np.int32),
+            (block_length, np.int32), (temperature, np.float32), (seed % 2**32, np.uint32))]
+        self.state = exe(self.state, *args)
+        self._slots[slot] = _Slot(len(prompt), answer_length, block_length, length, block, len(prompt),
+                                  needs_refresh=True, finished=False, canvas=row[:total].copy())
+
+    def release(self, slot: int) -> None:
+        """Forget the slot's request (its device rows are overwritten by the next admission)."""
+        self._check_slot(slot)
+        self._slots.pop(slot, None)
+
+    def is_free(self, slot: int) -> bool:
+        return slot not in self._slots
+
+    def needs_refresh(self, slot: int) -> bool:
+        return self._info(slot).needs_refresh
+
+    def canvas(self, slot: int) -> list[int]:
+        """Prompt + answer area of the slot as it stands (mask id at undecided positions)."""
+        return self._info(slot).canvas.tolist()
+
+    def answer(self, slot: int) -> list[int]:
+        """Committed answer tokens up to (excluding) the first EOS."""
+        info = self._info(slot)
+        ans = info.canvas[info.prompt_len:]
+        eos = np.flatnonzero(ans == self.cfg.eos_id)
+        return [int(t) for t in ans[:int(eos[0]) if eos.size else ans.size]]
+
+    def step(self, refresh: bool, slots: Sequence[int], taus: Sequence[float]) -> list[SlotStep]:
+        """One batched step (refresh or reuse) over `slots` with thresholds `taus`; results in slot order.
+
+        In cache mode none both kinds are a full forward. A reuse step of a slot that needs a
+        refresh (just admitted, or its previous block just finished) is an error.
+        """
+        slots, taus = [int(s) for s in slots], [float(t) for t in taus]
+        if len(slots) != len(taus) or not slots:
+            raise ValueError("need one τ per slot and at least one slot")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"duplicate slots in a step: {slots}")
+        for slot, tau in zip(slots, taus):
+            info = self._info(slot)
+            if not 0.0 < tau <= 1.0:
+                raise ValueError(f"τ must be in (0, 1], got {tau}")
+            if not refresh and info.needs_refresh and self.config.cache_mode is not CacheMode.NONE:
+                raise ValueError(f"slot {slot} needs a refresh step (new request or new block)")
+        groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for i, slot in enumerate(slots):
+            groups[(self._slots[slot].length, self._slots[slot].block)].append(i)
+        results: list[SlotStep | None] = [None] * len(slots)
+        for (length, block), idx in groups.items():
+            shape = self._shape(refresh, [slots[i] for i in idx], length, block)
+            for i, res in zip(idx, self._run(shape, [slots[i] for i in idx], [taus[i] for i in idx])):
+                results[i] = res
+        return results  # type: ignore[return-value]
+
+    def _shape(self, refresh: bool, slots: list[int], length: int, block: int) -> StepShape:
+        batch = bucket_for(len(slots), self.config.batch_buckets)
+        mode = self.config.cache_mode
+        if mode is CacheMode.NONE:
+            return StepShape(StepType.FULL, batch, length, block, length)
+        if refresh:
+            return StepShape(StepType.REFRESH, batch, length, block, length)
+        if mode is CacheMode.DUAL:
+            return StepShape(StepType.DUAL, batch, length, block, block)
+        suffix = max(self._slots[s].prompt_len + self._slots[s].answer_len - self._slots[s].block_start
+                     for s in slots)
+        return StepShape(StepType.PREFIX, batch, length, block, bucket_for(suffix, prefix_query_buckets(length, block)))
+
+    def _run(self, shape: StepShape, slots: list[int], taus: list[float]) -> list[SlotStep]:
+        pad = shape.batch - len(slots)
+        slot_arr = put_small(slots + [self.num_slots] * pad, np.int32, self._small)
+        tau_arr = put_small(taus + [1.0] * pad, np.float32, self._small)
+        exe = self.compiled.get(shape, self.params, self.state, self._placement)
+        self.state, out = exe(self.params, self.state, slot_arr, tau_arr)
+        out = jax.device_get(out)
+        results = []
+        for row, slot in enumerate(slots):
+            info = self._slots[slot]
+            n = int(out.n_committed[row])
+            pos, tok = out.positions[row, :n], out.tokens[row, :n]
+            info.canvas[pos] = tok
+            block_done, finished = bool(out.block_finished[row]), bool(out.request_finished[row])
+            if block_done:
+                info.block_start += info.block_len
+            info.needs_refresh = block_done
+            info.finished = finished
+            results.append(SlotStep(slot, tuple(int(p) - info.prompt_len for p in pos), tuple(int(t) for t in tok),
+                                    n, float(out.max_confidence[row]), block_done, finished))
+        return results
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} is outside [0, {self.num_slots})")
+
+    def _info(self, slot: int) -> _Slot:
+        self._check_slot(slot)
+        try:
+            return self._slots[slot]
+        except KeyError:
+            raise ValueError(f"slot {slot} holds no request") from None
