@@ -175,7 +175,8 @@ class SlotDecoder:
         """One batched step (refresh or reuse) over `slots` with thresholds `taus`; results in slot order.
 
         In cache mode none both kinds are a full forward. A reuse step of a slot that needs a
-        refresh (just admitted, or its previous block just finished) is an error.
+        refresh (just admitted, or its previous block just finished) is an error; a refresh is
+        allowed at any step (it only makes the cache exact again).
         """
         slots, taus = [int(s) for s in slots], [float(t) for t in taus]
         if len(slots) != len(taus) or not slots:
@@ -186,6 +187,8 @@ class SlotDecoder:
             info = self._info(slot)
             if not 0.0 < tau <= 1.0:
                 raise ValueError(f"τ must be in (0, 1], got {tau}")
+            if info.finished:
+                raise ValueError(f"slot {slot} has finished; release it")
             if not refresh and info.needs_refresh and self.config.cache_mode is not CacheMode.NONE:
                 raise ValueError(f"slot {slot} needs a refresh step (new request or new block)")
         groups: dict[tuple[int, int], list[int]] = defaultdict(list)

@@ -1,0 +1,70 @@
+"""JaxRunner: the real `types.Runner` — jitted, slot-batched diffusion steps on one instance.
+
+A thin adapter over `decoding.SlotDecoder`: it translates StepKind and SlotOutcome, and exposes
+placement (params and state sharding), weight reload and the canvas for streaming.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from dilaserve_jax.decoding.buckets import CacheMode
+from dilaserve_jax.decoding.compiled import CompiledSteps
+from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
+from dilaserve_jax.models.config import ModelConfig
+from dilaserve_jax.serving.types import SlotOutcome, StepKind
+
+
+class JaxRunner:
+    """Implements `serving.types.Runner` on real devices.
+
+    params: placed by the caller (one device, or sharded over an instance's mesh); state_sharding:
+    a DecodeState-shaped tree of shardings (or one sharding) for the slots' canvas and K/V cache,
+    typically K/V split over kv heads on the instance's mesh. Executables are compiled at
+    construction for every (step kind, batch bucket, length bucket, block bucket) and cached in
+    `compiled` per placement — pass one CompiledSteps to several runners (or to the runner that
+    replaces this one after a layout change) to share them.
+    """
+
+    def __init__(self, cfg: ModelConfig, graphdef, params, *, num_slots: int, length_buckets: Sequence[int],
+                 block_buckets: Sequence[int] = (32,), cache_mode: CacheMode | str = CacheMode.DUAL,
+                 tp_degree: int | None = None, state_sharding: Any = None, compiled: CompiledSteps | None = None,
+                 warm_up: bool = True, progress: bool = True):
+        config = DecoderConfig(num_slots, tuple(length_buckets), tuple(block_buckets), CacheMode(cache_mode))
+        self.decoder = SlotDecoder(cfg, graphdef, params, config, state_sharding=state_sharding,
+                                   compiled=compiled, warm_up=warm_up, progress=progress)
+        self.num_slots = num_slots
+        self.tp_degree = tp_degree if tp_degree is not None else len(self.decoder.devices)
+
+    @property
+    def compiled(self) -> CompiledSteps:
+        return self.decoder.compiled
+
+    @property
+    def warm_up_seconds(self) -> float:
+        return self.decoder.warm_up_seconds
+
+    def admit(self, slot: int, prompt_tokens: Sequence[int], answer_length: int, block_length: int, *,
+              temperature: float = 0.0, seed: int = 0) -> None:
+        self.decoder.admit(slot, prompt_tokens, answer_length, block_length, temperature=temperature, seed=seed)
+
+    def release(self, slot: int) -> None:
+        self.decoder.release(slot)
+
+    def step(self, kind: StepKind, slots: Sequence[int], taus: Sequence[float]) -> list[SlotOutcome]:
+        results = self.decoder.step(StepKind(kind) == StepKind.REFRESH, slots, taus)
+        return [SlotOutcome(r.slot, r.positions, r.tokens, r.n_committed, r.max_confidence, r.block_finished,
+                            r.request_finished) for r in results]
+
+    def answer(self, slot: int) -> list[int]:
+        return self.decoder.answer(slot)
+
+    def canvas(self, slot: int) -> list[int]:
+        """Prompt + answer area as it stands (mask id where undecided): for streaming."""
+        return self.decoder.canvas(slot)
+
+    def needs_refresh(self, slot: int) -> bool:
+        return self.decoder.needs_refresh(slot)
+
+    def reload(self, params) -> None:
+        """Swap weights between steps (e.g. after resharding); same tree structure."""
+        self.decoder.reload(params)
