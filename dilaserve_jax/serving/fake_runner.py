@@ -1,0 +1,145 @@
+"""A runner without a model: simulates committing tokens and the passage of time (tests, demos).
+
+Tokens committed per step depend on τ and a per-request difficulty (lower τ → more tokens; harder
+→ fewer), through a deterministic accumulator so runs are reproducible. Each step advances a
+`FakeClock` by a step time that, like the real steps, makes a refresh several times a reuse and
+grows with batch and canvas length; or, with `real_sleep`, really sleeps that long (to measure
+thread overlap).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from dilaserve_jax.serving.latency import Profile, ProfilePoint
+from dilaserve_jax.serving.types import SlotOutcome, StepKind
+
+StepTimeFn = Callable[[StepKind, int, int, int], float]  # (kind, batch, canvas, block) -> seconds
+
+# tokens/step at difficulty 1 (same shape as threshold.DEFAULT_PRIOR, kept separate on purpose:
+# tests check that the controller learns rates it was not told)
+FAKE_RATES = ((0.3, 6.8), (0.4, 5.6), (0.5, 4.7), (0.6, 3.9), (0.7, 3.2), (0.8, 2.6), (0.9, 2.0),
+              (0.95, 1.6), (1.0, 1.0))
+
+
+def default_step_time(kind: StepKind, batch: int, canvas: int, block: int) -> float:
+    if kind == StepKind.REFRESH:
+        return 2e-3 + 1e-5 * batch * canvas + 1e-9 * batch * canvas * canvas
+    return 1e-3 + 4e-6 * batch * block + 2e-8 * batch * canvas
+
+
+def fake_profile(step_time: StepTimeFn = default_step_time, batches: Sequence[int] = (1, 2, 4, 8, 16),
+                 canvases: Sequence[int] = (64, 128, 256, 512), blocks: Sequence[int] = (8, 16, 32),
+                 tp: int = 1) -> Profile:
+    pts = tuple(ProfilePoint(k, b, l, blk, tp, step_time(k, b, l, blk))
+                for k in StepKind for b in batches for l in canvases for blk in blocks if blk < l)
+    return Profile("synthetic profile of the fake runner (not measured)", True, "fake", "fake", pts)
+
+
+class FakeClock:
+    """A manually advanced clock (thread-safe)."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._t = start
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self._t
+
+    def advance(self, dt: float) -> None:
+        if dt < 0:
+            raise ValueError("time runs forward")
+        with self._lock:
+            self._t += dt
+
+
+def _rate(tau: float) -> float:
+    pts = FAKE_RATES
+    if tau <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if tau <= x1:
+            return y0 + (y1 - y0) * (tau - x0) / (x1 - x0)
+    return 1.0
+
+
+@dataclass(slots=True)
+class _Slot:
+    prompt: tuple[int, ...]
+    answer_length: int
+    block_length: int
+    difficulty: float
+    tokens: list[int | None] = field(default_factory=list)
+    committed: int = 0
+    credit: float = 0.0
+    needs_refresh: bool = True
+
+
+class FakeRunner:
+    """Implements `types.Runner`. Enforces the protocol (admitted slots, right step kind)."""
+
+    def __init__(self, num_slots: int, clock: FakeClock | None = None, tp_degree: int = 1,
+                 step_time: StepTimeFn = default_step_time,
+                 difficulty: Callable[[Sequence[int]], float] = lambda prompt: 1.0,
+                 real_sleep: bool = False) -> None:
+        if num_slots < 1:
+            raise ValueError("num_slots must be >= 1")
+        self.num_slots, self.tp_degree = num_slots, tp_degree
+        self.clock = clock if clock is not None else FakeClock()
+        self.step_time, self.difficulty, self.real_sleep = step_time, difficulty, real_sleep
+        self.slots: dict[int, _Slot] = {}
+        self.steps_run: list[tuple[StepKind, tuple[int, ...], tuple[float, ...]]] = []
+
+    def admit(self, slot: int, prompt_tokens: Sequence[int], answer_length: int, block_length: int) -> None:
+        if not 0 <= slot < self.num_slots or slot in self.slots:
+            raise ValueError(f"slot {slot} is out of range or occupied")
+        prompt = tuple(prompt_tokens)
+        self.slots[slot] = _Slot(prompt, answer_length, block_length, float(self.difficulty(prompt)),
+                                 [None] * answer_length)
+
+    def release(self, slot: int) -> None:
+        if self.slots.pop(slot, None) is None:
+            raise ValueError(f"slot {slot} is not admitted")
+
+    def step(self, kind: StepKind, slots: Sequence[int], taus: Sequence[float]) -> list[SlotOutcome]:
+        if not slots or len(slots) != len(taus):
+            raise ValueError("need one τ per slot and at least one slot")
+        states = [self.slots[s] for s in slots]  # KeyError: not admitted
+        for s, st in zip(slots, states):
+            if st.needs_refresh != (kind == StepKind.REFRESH):
+                raise ValueError(f"slot {s} needs {'REFRESH' if st.needs_refresh else 'REUSE'}, got {kind.name}")
+            if st.committed >= st.answer_length:
+                raise ValueError(f"slot {s} is already finished")
+        canvas = max(len(st.prompt) + st.answer_length for st in states)
+        block = max(st.block_length for st in states)
+        dt = self.step_time(kind, len(slots), canvas, block)
+        out = [self._advance(s, st, tau) for s, st, tau in zip(slots, states, taus)]
+        self.steps_run.append((kind, tuple(slots), tuple(taus)))
+        if self.real_sleep:
+            time.sleep(dt)
+        else:
+            self.clock.advance(dt)
+        return out
+
+    def _advance(self, slot: int, st: _Slot, tau: float) -> SlotOutcome:
+        block_end = (st.committed // st.block_length + 1) * st.block_length
+        st.credit += 1.0 + (_rate(tau) - 1.0) / st.difficulty
+        n = max(1, int(st.credit))
+        st.credit -= n
+        n = min(n, block_end - st.committed)
+        positions = tuple(range(st.committed, st.committed + n))
+        tokens = tuple(10 + (sum(st.prompt) * 31 + p * 7) % 1000 for p in positions)
+        for p, t in zip(positions, tokens):
+            st.tokens[p] = t
+        st.committed += n
+        block_finished = st.committed == block_end
+        st.needs_refresh = block_finished
+        return SlotOutcome(slot, positions, tokens, n, min(1.0, tau + 0.05), block_finished,
+                           st.committed >= st.answer_length)
+
+    def answer(self, slot: int) -> list[int]:
+        st = self.slots[slot]
+        return [t for t in st.tokens[: st.committed] if t is not None]

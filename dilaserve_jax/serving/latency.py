@@ -1,0 +1,214 @@
+"""Step-latency model: predicts one batched step's seconds from (kind, batch, canvas, block, TP).
+
+Fitted per (kind, TP degree) by least squares on physically motivated features, so that a refresh
+step (queries = whole canvas) grows with canvas length (linear layers) and its square (attention),
+while a reuse step (queries = one block) grows mostly with block size and the cached keys it reads:
+
+  refresh: a + b*B*L + c*B*L^2
+  reuse:   a + b*B*K + c*B*L + d*B*K*L
+
+Rows are weighted by 1/seconds (we care about relative error: times span orders of magnitude) and
+coefficients are kept non-negative (a negative one would predict nonsense outside the grid).
+
+Profile JSON (written by the profiler or `roofline.analytic_profile`):
+  {"label": str, "analytic": bool, "device": str, "model": str,
+   "points": [{"kind": "refresh"|"reuse", "batch": int, "canvas": int, "block": int, "tp": int,
+               "seconds": float}, ...]}
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from dilaserve_jax.serving.types import StepKind
+
+_KIND_NAMES = {"refresh": StepKind.REFRESH, "reuse": StepKind.REUSE}
+
+
+@dataclass(frozen=True, slots=True)
+class ProfilePoint:
+    kind: StepKind
+    batch: int
+    canvas: int
+    block: int
+    tp: int
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if self.batch < 1 or self.canvas < 1 or self.block < 1 or self.tp < 1:
+            raise ValueError(f"bad profile point {self}")
+        if not (self.seconds > 0 and np.isfinite(self.seconds)):
+            raise ValueError(f"profile point needs positive finite seconds: {self}")
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "ProfilePoint":
+        kind = _KIND_NAMES[d["kind"]] if isinstance(d["kind"], str) else StepKind(d["kind"])
+        return cls(kind, int(d["batch"]), int(d["canvas"]), int(d["block"]), int(d.get("tp", 1)), float(d["seconds"]))
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind.name.lower(), "batch": self.batch, "canvas": self.canvas,
+                "block": self.block, "tp": self.tp, "seconds": self.seconds}
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    label: str
+    analytic: bool
+    device: str
+    model: str
+    points: tuple[ProfilePoint, ...]
+
+    def __post_init__(self) -> None:
+        if not self.points:
+            raise ValueError("profile has no points")
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "Profile":
+        return cls(str(d["label"]), bool(d["analytic"]), str(d["device"]), str(d["model"]),
+                   tuple(ProfilePoint.from_json(p) for p in d["points"]))
+
+    def to_json(self) -> dict:
+        return {"label": self.label, "analytic": self.analytic, "device": self.device,
+                "model": self.model, "points": [p.to_json() for p in self.points]}
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+
+def features(kind: StepKind, batch, canvas, block) -> np.ndarray:
+    """Feature matrix [n, f] (broadcasts scalars or arrays)."""
+    b, l, k = (np.asarray(x, dtype=np.float64) for x in (batch, canvas, block))
+    b, l, k = np.broadcast_arrays(b, l, k)
+    one = np.ones_like(b)
+    if kind == StepKind.REFRESH:
+        cols = (one, b * l, b * l * l)
+    else:
+        cols = (one, b * k, b * l, b * k * l)
+    return np.stack(cols, axis=-1)
+
+
+def _nonneg_weighted_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Relative-error least squares with coefficients >= 0 (drop negative columns, refit)."""
+    w = 1.0 / y
+    xs = x / np.maximum(x.max(axis=0), 1e-30)  # column scaling keeps the solve well conditioned
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(xs[:, active] * w[:, None], y * w, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return coef / np.maximum(x.max(axis=0), 1e-30)
+
+
+@dataclass(frozen=True, slots=True)
+class FitReport:
+    """Held-out relative error |pred - true| / true, per kind, of a model fitted on the rest."""
+
+    n_train: int
+    n_holdout: int
+    mean_rel_error: dict[str, float]
+    max_rel_error: dict[str, float]
+
+    def __str__(self) -> str:
+        parts = [f"{k}: mean {self.mean_rel_error[k]:.1%} max {self.max_rel_error[k]:.1%}" for k in self.mean_rel_error]
+        return f"held-out {self.n_holdout}/{self.n_train + self.n_holdout} points; " + "; ".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyModel:
+    """coefs[(kind, tp)] -> feature coefficients. `scale` multiplies every prediction."""
+
+    coefs: Mapping[tuple[StepKind, int], tuple[float, ...]]
+    label: str = ""
+    analytic: bool = False
+    scale: float = 1.0
+    report: FitReport | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.coefs:
+            raise ValueError("latency model has no coefficients")
+        if self.scale <= 0:
+            raise ValueError("scale must be positive")
+
+    @property
+    def tp_degrees(self) -> tuple[int, ...]:
+        return tuple(sorted({tp for _, tp in self.coefs}))
+
+    def predict(self, kind: StepKind, batch: int, canvas_len: int, block_len: int, tp: int = 1) -> float:
+        if batch <= 0:
+            return 0.0
+        try:
+            c = self.coefs[(StepKind(kind), tp)]
+        except KeyError:
+            raise KeyError(f"no {StepKind(kind).name} fit for TP {tp}; profile has TP {self.tp_degrees}") from None
+        b, l, k = float(batch), float(canvas_len), float(block_len)  # plain floats: called per request per step
+        f = (1.0, b * l, b * l * l) if kind == StepKind.REFRESH else (1.0, b * k, b * l, b * k * l)
+        return self.scale * sum(ci * fi for ci, fi in zip(c, f))
+
+    def predict_many(self, kind: StepKind, batch, canvas, block, tp: int = 1) -> np.ndarray:
+        c = np.asarray(self.coefs[(StepKind(kind), tp)])
+        return self.scale * (features(kind, batch, canvas, block) @ c)
+
+    def scaled(self, scale: float) -> "LatencyModel":
+        return LatencyModel(self.coefs, self.label, self.analytic, scale, self.report)
+
+    @classmethod
+    def from_profile(cls, profile: Profile | str | Path, holdout_fraction: float = 0.2, seed: int = 0) -> "LatencyModel":
+        if not isinstance(profile, Profile):
+            profile = Profile.load(profile)
+        model = fit(profile.points, holdout_fraction, seed)
+        return LatencyModel(model.coefs, profile.label, profile.analytic, 1.0, model.report)
+
+
+def _fit_groups(points: Sequence[ProfilePoint]) -> dict[tuple[StepKind, int], tuple[float, ...]]:
+    groups: dict[tuple[StepKind, int], list[ProfilePoint]] = {}
+    for p in points:
+        groups.setdefault((p.kind, p.tp), []).append(p)
+    coefs = {}
+    for key, pts in groups.items():
+        x = features(key[0], [p.batch for p in pts], [p.canvas for p in pts], [p.block for p in pts])
+        y = np.array([p.seconds for p in pts])
+        coefs[key] = tuple(float(c) for c in _nonneg_weighted_lstsq(x, y))
+    return coefs
+
+
+def fit(points: Iterable[ProfilePoint | Mapping], holdout_fraction: float = 0.2, seed: int = 0) -> LatencyModel:
+    """Fit on a random (1 - holdout_fraction) of the points, report the error on the rest, then
+    refit on all points (the returned model; its `.report` is the held-out error)."""
+    pts = [p if isinstance(p, ProfilePoint) else ProfilePoint.from_json(p) for p in points]
+    if not 0.0 <= holdout_fraction < 1.0:
+        raise ValueError("holdout_fraction must be in [0, 1)")
+    rng = np.random.default_rng(seed)
+    hold = np.zeros(len(pts), dtype=bool)
+    groups: dict[tuple[StepKind, int], list[int]] = {}
+    for i, p in enumerate(pts):
+        groups.setdefault((p.kind, p.tp), []).append(i)
+    for key, idx in groups.items():
+        n_feat = features(key[0], 1, 1, 1).shape[-1]
+        n_hold = min(int(round(holdout_fraction * len(idx))), len(idx) - n_feat)  # keep enough to fit
+        if n_hold > 0:
+            hold[rng.choice(idx, size=n_hold, replace=False)] = True
+    train = [p for p, h in zip(pts, hold) if not h]
+    held = [p for p, h in zip(pts, hold) if h]
+    mean_err: dict[str, float] = {}
+    max_err: dict[str, float] = {}
+    if held:
+        trial = LatencyModel(_fit_groups(train))
+        for kind in StepKind:
+            errs = [abs(trial.predict(p.kind, p.batch, p.canvas, p.block, p.tp) - p.seconds) / p.seconds
+                    for p in held if p.kind == kind]
+            if errs:
+                mean_err[kind.name.lower()] = float(np.mean(errs))
+                max_err[kind.name.lower()] = float(np.max(errs))
+    report = FitReport(len(train), len(held), mean_err, max_err)
+    return LatencyModel(_fit_groups(pts), report=report)

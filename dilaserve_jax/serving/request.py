@@ -1,0 +1,185 @@
+"""A request and its state machine (pure Python; the simulator reuses it unchanged).
+
+States:
+  WAITING            queued, no slot yet.
+  RUNNING            holds a runner slot and is being denoised.
+  MIGRATING          reserved: between instances at a step boundary (its next step is a refresh).
+  FINISHED_OK        every answer token (up to EOS) committed; may still have missed its deadline
+                     (see `deadline_met`).
+  FINISHED_ABORTED   cancelled by the caller.
+  FINISHED_REJECTED  refused by admission control (`reject_reason` says why).
+  FINISHED_DEADLINE  dropped because its deadline passed before it finished (only when the
+                     scheduler is configured to drop late requests, e.g. the client has gone).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Sequence
+
+from dilaserve_jax.serving.types import StepKind
+
+
+class RequestState(IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    MIGRATING = 2
+    FINISHED_OK = 3
+    FINISHED_ABORTED = 4
+    FINISHED_REJECTED = 5
+    FINISHED_DEADLINE = 6
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestState.FINISHED_OK
+
+
+_S = RequestState
+_LEGAL: dict[RequestState, frozenset[RequestState]] = {
+    _S.WAITING: frozenset({_S.RUNNING, _S.FINISHED_ABORTED, _S.FINISHED_REJECTED, _S.FINISHED_DEADLINE}),
+    _S.RUNNING: frozenset({_S.MIGRATING, _S.FINISHED_OK, _S.FINISHED_ABORTED, _S.FINISHED_DEADLINE}),
+    _S.MIGRATING: frozenset({_S.RUNNING, _S.FINISHED_ABORTED, _S.FINISHED_DEADLINE}),
+    _S.FINISHED_OK: frozenset(),
+    _S.FINISHED_ABORTED: frozenset(),
+    _S.FINISHED_REJECTED: frozenset(),
+    _S.FINISHED_DEADLINE: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    kind: StepKind
+    tau: float
+    n_committed: int
+    time: float  # when the step's result was applied
+    duration: float  # plan-to-result wall time of the batched step
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One generation request. `deadline` is absolute (same clock as `arrival`)."""
+
+    id: str
+    prompt_tokens: tuple[int, ...]
+    answer_length: int
+    block_length: int
+    arrival: float
+    deadline: float
+    tau_min: float = 0.5
+    tau_max: float = 1.0
+    # --- mutable run-time record ---
+    state: RequestState = RequestState.WAITING
+    slot: int | None = None
+    start_time: float | None = None
+    finish_time: float | None = None
+    committed: int = 0  # answer tokens committed so far
+    block_index: int = 0  # current block
+    block_committed: int = 0  # committed in the current block
+    needs_refresh: bool = True  # next step kind is REFRESH (new, migrated, or a block just finished)
+    at_risk: bool = False  # cannot meet its deadline even at tau_min; runs on spare capacity
+    steps_skipped: int = 0  # consecutive schedule rounds it was eligible but not run (anti-starvation)
+    reject_reason: str | None = None
+    output_tokens: list[int] | None = None
+    steps: list[StepRecord] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.prompt_tokens = tuple(int(t) for t in self.prompt_tokens)
+        if not self.id:
+            raise ValueError("request id must be non-empty")
+        if self.answer_length <= 0 or self.block_length <= 0:
+            raise ValueError("answer_length and block_length must be positive")
+        if self.answer_length % self.block_length:
+            raise ValueError(f"answer_length {self.answer_length} must be a multiple of block_length {self.block_length}")
+        if not (0.0 < self.tau_min <= self.tau_max <= 1.0):
+            raise ValueError(f"need 0 < tau_min <= tau_max <= 1, got {self.tau_min}, {self.tau_max}")
+        if self.deadline < self.arrival:
+            raise ValueError("deadline precedes arrival")
+
+    # --- state machine ---
+    def transition(self, new: RequestState, now: float) -> None:
+        if new not in _LEGAL[self.state]:
+            raise IllegalTransition(f"request {self.id}: {self.state.name} -> {new.name} is not allowed")
+        if new == RequestState.RUNNING and self.start_time is None:
+            self.start_time = now
+        if new == RequestState.MIGRATING:
+            self.needs_refresh = True  # KV cache is rebuilt on the destination
+        if new.finished:
+            self.finish_time = now
+        self.state = new
+
+    @property
+    def finished(self) -> bool:
+        return self.state.finished
+
+    @property
+    def deadline_met(self) -> bool | None:
+        """None while unfinished; True only for FINISHED_OK on time."""
+        if not self.finished:
+            return None
+        return self.state == RequestState.FINISHED_OK and self.finish_time <= self.deadline
+
+    # --- progress ---
+    def record_step(self, kind: StepKind, tau: float, n_committed: int, block_finished: bool,
+                    now: float, duration: float) -> None:
+        if self.state != RequestState.RUNNING:
+            raise IllegalTransition(f"request {self.id} stepped while {self.state.name}")
+        self.steps.append(StepRecord(kind, tau, n_committed, now, duration))
+        self.committed = min(self.answer_length, self.committed + n_committed)
+        self.block_committed += n_committed
+        if block_finished or self.block_committed >= self.block_length:
+            self.block_index += 1
+            self.block_committed = 0
+            self.needs_refresh = True
+        else:
+            self.needs_refresh = False
+
+    @property
+    def next_kind(self) -> StepKind:
+        return StepKind.REFRESH if self.needs_refresh else StepKind.REUSE
+
+    @property
+    def canvas_length(self) -> int:
+        return len(self.prompt_tokens) + self.answer_length
+
+    @property
+    def num_blocks(self) -> int:
+        return self.answer_length // self.block_length
+
+    @property
+    def masked_left(self) -> int:
+        return self.answer_length - self.committed
+
+    @property
+    def blocks_left(self) -> int:
+        """Blocks not yet finished, counting the current one."""
+        return max(0, self.num_blocks - self.block_index)
+
+    @property
+    def masked_in_block(self) -> int:
+        return self.block_length - self.block_committed if self.blocks_left else 0
+
+    def slack(self, now: float) -> float:
+        return self.deadline - now
+
+    def mean_tau(self) -> float | None:
+        return sum(s.tau for s in self.steps) / len(self.steps) if self.steps else None
+
+    def summary(self) -> dict:
+        return {
+            "id": self.id, "state": self.state.name, "arrival": self.arrival, "deadline": self.deadline,
+            "start": self.start_time, "finish": self.finish_time, "deadline_met": self.deadline_met,
+            "steps": len(self.steps), "mean_tau": self.mean_tau(), "reject_reason": self.reject_reason,
+        }
+
+
+def make_request(id: str, prompt_tokens: Sequence[int], answer_length: int, block_length: int,
+                 arrival: float, slo: float, **kw) -> Request:
+    """Convenience: deadline given relative to arrival."""
+    if not math.isfinite(slo) or slo <= 0:
+        raise ValueError(f"slo must be positive, got {slo}")
+    return Request(id, tuple(prompt_tokens), answer_length, block_length, arrival, arrival + slo, **kw)

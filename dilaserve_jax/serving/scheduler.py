@@ -1,0 +1,298 @@
+"""Step-level scheduler for one instance (pure Python; the simulator reuses it unchanged).
+
+Each round `schedule(now)` returns a `StepPlan`: slots to release, requests to admit into free
+slots, and one batched step of a single kind (refresh or reuse) with a τ per slot. The scheduler
+owns slot assignment but never calls a runner: the engine (or the simulator) applies the plan and
+hands the outcomes back to `update`.
+
+Policies (same interface):
+  fcfs-static  arrival order, admit whenever a slot is free, batch every ready request of the kind
+               the oldest request needs, fixed τ (0.9): how DLMs are served today.
+  edf-static   the same in deadline order.
+  dilaserve    least slack first; τ per request per step and load control from `threshold.py`;
+               a batch (and the set of running requests) grows only while every request in it
+               still meets its deadline at the larger step time; at-risk requests run only on
+               spare capacity; hopeless requests are rejected at admission.
+No starvation (all policies): a request that was runnable but skipped `max_skip` rounds in a row
+goes first, whatever its deadline or risk.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dilaserve_jax.serving.latency import LatencyModel
+from dilaserve_jax.serving.request import Request, RequestState
+from dilaserve_jax.serving.threshold import Decision, ThresholdConfig, ThresholdController
+from dilaserve_jax.serving.types import Admission, SlotOutcome, StepKind, StepPlan
+
+POLICIES = ("fcfs-static", "edf-static", "dilaserve")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    num_slots: int
+    policy: str = "dilaserve"
+    tp: int = 1  # TP degree of the instance (selects the latency fit)
+    static_tau: float = 0.9  # τ of the static policies (clamped to each request's [τ_min, τ_max])
+    max_queue: int = 256  # waiting requests beyond this are rejected
+    max_batch: int | None = None  # default: num_slots
+    max_skip: int = 16  # rounds a runnable request may be passed over before it goes first
+    reject_infeasible: bool | None = None  # default: True for dilaserve, False for static policies
+    drop_expired: bool = False  # finish requests past their deadline as FINISHED_DEADLINE
+    latency_ema: float = 0.2  # online correction of the latency model from measured step times
+    threshold: ThresholdConfig = field(default_factory=ThresholdConfig)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.num_slots < 1 or self.tp < 1 or self.max_queue < 0 or self.max_skip < 1:
+            raise ValueError("num_slots, tp, max_skip must be >= 1 and max_queue >= 0")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        if not 0 < self.static_tau <= 1 or not 0 <= self.latency_ema <= 1:
+            raise ValueError("static_tau must be in (0, 1], latency_ema in [0, 1]")
+
+    @property
+    def adaptive(self) -> bool:
+        return self.policy == "dilaserve"
+
+    @property
+    def batch_limit(self) -> int:
+        return min(self.max_batch or self.num_slots, self.num_slots)
+
+    @property
+    def rejects_infeasible(self) -> bool:
+        return self.adaptive if self.reject_infeasible is None else self.reject_infeasible
+
+
+@dataclass(frozen=True, slots=True)
+class AddResult:
+    accepted: bool
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """What a router needs to predict a new request's finish on this instance (immutable)."""
+
+    time: float
+    num_slots: int
+    tp: int
+    running_left: tuple[float, ...]  # predicted seconds to finish, running requests
+    waiting_left: tuple[float, ...]  # predicted seconds of work, queued requests
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, latency: LatencyModel,
+                 controller: ThresholdController | None = None) -> None:
+        self.cfg = config
+        self.latency = latency
+        self.controller = controller or ThresholdController(config.threshold)
+        self.requests: dict[str, Request] = {}  # unfinished
+        self.waiting: list[Request] = []  # arrival order
+        self.running: dict[int, Request] = {}  # slot -> request
+        self.free_slots: list[int] = list(range(config.num_slots))
+        self.decisions: dict[str, Decision] = {}
+        self.lat_scale = {StepKind.REFRESH: 1.0, StepKind.REUSE: 1.0}
+        self._aborts: list[str] = []
+        self._releases: list[int] = []
+        self._finished: list[Request] = []
+        self._memo: dict[tuple, float] = {}
+
+    # --- latency ---
+    def step_time(self, kind: StepKind, batch: int, req: Request) -> float:
+        key = (kind, batch, req.canvas_length, req.block_length)
+        t = self._memo.get(key)
+        if t is None:
+            t = self.latency.predict(kind, batch, req.canvas_length, req.block_length, self.cfg.tp) * self.lat_scale[kind]
+            self._memo[key] = t
+        return t
+
+    def _feasible(self, req: Request, now: float, batch: int) -> bool:
+        return self.controller.feasible_at(req, now, batch, self.step_time)
+
+    # --- requests in ---
+    def add(self, req: Request, now: float | None = None) -> AddResult:
+        now = req.arrival if now is None else now
+        if req.id in self.requests:
+            raise ValueError(f"duplicate request id {req.id!r}")
+        if req.state != RequestState.WAITING:
+            raise ValueError(f"request {req.id} is {req.state.name}, expected WAITING")
+        reason = None
+        if len(self.waiting) >= self.cfg.max_queue:
+            reason = f"queue full ({len(self.waiting)} waiting, max_queue={self.cfg.max_queue})"
+        elif req.deadline <= now:
+            reason = "deadline already passed"
+        elif self.cfg.rejects_infeasible and not self._feasible(req, now, 1):
+            need = self.controller.remaining_time(req, req.tau_min, 1, self.step_time)
+            reason = (f"deadline infeasible even at tau_min={req.tau_min} on an idle instance "
+                      f"(needs {need:.3g}s, has {req.deadline - now:.3g}s)")
+        if reason is not None:
+            req.reject_reason = reason
+            req.transition(RequestState.FINISHED_REJECTED, now)
+            self._finished.append(req)
+            return AddResult(False, reason)
+        self.requests[req.id] = req
+        self.waiting.append(req)
+        return AddResult(True)
+
+    def abort(self, req_id: str) -> bool:
+        """Mark for abort; applied (slot released) at the next `schedule`."""
+        req = self.requests.get(req_id)
+        if req is None or req.finished or req_id in self._aborts:
+            return False
+        self._aborts.append(req_id)
+        return True
+
+    # --- the round ---
+    def schedule(self, now: float) -> StepPlan | None:
+        self._memo.clear()
+        for rid in self._aborts:
+            self._finish(self.requests[rid], RequestState.FINISHED_ABORTED, now)
+        self._aborts.clear()
+        if self.cfg.drop_expired:
+            for req in [*self.running.values(), *self.waiting]:
+                if req.deadline < now:
+                    self._finish(req, RequestState.FINISHED_DEADLINE, now)
+        releases, self._releases = tuple(self._releases), []
+        if self.cfg.adaptive:
+            self.decisions = self.controller.plan(list(self.running.values()), self.waiting, now,
+                                                  self.cfg.num_slots, self.step_time)
+        admits = self._admit(now)
+        kind, batch = self._pick_batch(now)
+        if not (batch or admits or releases):
+            return None
+        taus = tuple(self._tau(r) for r in batch)
+        in_batch = {r.id for r in batch}
+        for r in self.running.values():
+            r.steps_skipped = 0 if r.id in in_batch else r.steps_skipped + 1
+        return StepPlan(now, kind if batch else None, tuple(r.slot for r in batch), tuple(r.id for r in batch),
+                        taus, admits, releases)
+
+    def _tau(self, req: Request) -> float:
+        if self.cfg.adaptive:
+            return self.decisions[req.id].tau
+        return min(req.tau_max, max(req.tau_min, self.cfg.static_tau))
+
+    def _starved(self, req: Request) -> bool:
+        return req.steps_skipped >= self.cfg.max_skip
+
+    def _order_key(self, now: float):
+        if self.cfg.policy == "fcfs-static":
+            return lambda r: (not self._starved(r), r.arrival)
+        if self.cfg.policy == "edf-static":
+            return lambda r: (not self._starved(r), r.deadline, r.arrival)
+
+        def least_slack(r: Request):  # slack left after finishing at the chosen τ
+            d = self.decisions.get(r.id)
+            return (not self._starved(r), r.at_risk, d.slack_if_started(r.deadline, now) if d else r.deadline - now,
+                    r.arrival)
+        return least_slack
+
+    def _fits(self, group: list[Request], cand: Request, now: float) -> bool:
+        """Would every feasible member of group + cand still meet its deadline at the larger batch?"""
+        b = len(group) + 1
+        members = group if cand.at_risk else [*group, cand]
+        return all(r.at_risk or self._feasible(r, now, b) for r in members)
+
+    def _admit(self, now: float) -> tuple[Admission, ...]:
+        if not self.waiting or not self.free_slots:
+            return ()
+        admits = []
+        for w in sorted(self.waiting, key=self._order_key(now)):
+            if not self.free_slots:
+                break
+            group = list(self.running.values())
+            if self.cfg.adaptive and group and not self._starved(w) and not self._fits(group, w, now):
+                continue
+            slot = self.free_slots.pop(0)
+            self.waiting.remove(w)
+            w.transition(RequestState.RUNNING, now)
+            w.slot, w.needs_refresh, w.steps_skipped = slot, True, 0
+            self.running[slot] = w
+            admits.append(Admission(slot, w.id, w.prompt_tokens, w.answer_length, w.block_length))
+        for w in self.waiting:  # passed over while a slot was free: counts towards starvation
+            w.steps_skipped += 1
+        return tuple(admits)
+
+    def _pick_batch(self, now: float) -> tuple[StepKind | None, list[Request]]:
+        if not self.running:
+            return None, []
+        order = sorted(self.running.values(), key=self._order_key(now))
+        kind = order[0].next_kind  # the most urgent (or starved) request decides the kind
+        batch: list[Request] = []
+        for r in order:
+            if r.next_kind != kind or len(batch) >= self.cfg.batch_limit:
+                continue
+            if self.cfg.adaptive and batch and not self._starved(r) and not self._fits(batch, r, now):
+                continue
+            batch.append(r)
+        return kind, batch
+
+    # --- results in ---
+    def update(self, plan: StepPlan, outcomes: list[SlotOutcome], now: float) -> list[Request]:
+        """Apply one step's outcomes; returns the requests that finished with it."""
+        if not plan.has_step:
+            return []
+        if len(outcomes) != len(plan.slots):
+            raise ValueError(f"{len(outcomes)} outcomes for {len(plan.slots)} slots")
+        duration = now - plan.time
+        self._correct_latency(plan, duration)
+        done = []
+        for o, rid, tau in zip(outcomes, plan.request_ids, plan.taus):
+            req = self.running.get(o.slot)
+            if req is None or req.id != rid:
+                raise ValueError(f"outcome for slot {o.slot} does not match plan request {rid}")
+            req.record_step(plan.kind, tau, o.n_committed, o.block_finished, now, duration)
+            self.controller.observe(req, tau, o.n_committed, o.block_finished or o.request_finished)
+            if o.request_finished:
+                self._finish(req, RequestState.FINISHED_OK, now)
+                done.append(req)
+        return done
+
+    def _correct_latency(self, plan: StepPlan, duration: float) -> None:
+        a = self.cfg.latency_ema
+        if a == 0 or duration <= 0:
+            return
+        reqs = [self.running[s] for s in plan.slots]
+        longest = max(reqs, key=lambda r: r.canvas_length)
+        pred = self.latency.predict(plan.kind, len(reqs), longest.canvas_length, longest.block_length, self.cfg.tp)
+        if pred > 0:
+            ratio = min(10.0, max(0.1, duration / pred))
+            self.lat_scale[plan.kind] += a * (ratio - self.lat_scale[plan.kind])
+
+    def _finish(self, req: Request, state: RequestState, now: float) -> None:
+        if req.state == RequestState.WAITING:
+            self.waiting.remove(req)
+        elif req.slot is not None and self.running.get(req.slot) is req:
+            del self.running[req.slot]
+            self.free_slots.append(req.slot)
+            self.free_slots.sort()
+            self._releases.append(req.slot)
+        req.transition(state, now)
+        self.requests.pop(req.id, None)
+        self.decisions.pop(req.id, None)
+        self.controller.forget(req.id)
+        self._finished.append(req)
+
+    # --- introspection ---
+    def pop_finished(self) -> list[Request]:
+        """Requests finished (ok, aborted, rejected, dropped) since the last call."""
+        out, self._finished = self._finished, []
+        return out
+
+    @property
+    def idle(self) -> bool:
+        return not (self.running or self.waiting or self._aborts or self._releases)
+
+    def request_time(self, req: Request, batch: int, tau: float | None = None) -> float:
+        return self.controller.remaining_time(req, req.tau_max if tau is None else tau, batch, self.step_time)
+
+    def snapshot(self, now: float) -> LoadSnapshot:
+        b = max(1, min(self.cfg.num_slots, len(self.running) + len(self.waiting)))
+
+        def left(r: Request) -> float:
+            d = self.decisions.get(r.id)
+            return self.request_time(r, b, d.tau if d else self._tau(r))
+        return LoadSnapshot(now, self.cfg.num_slots, self.cfg.tp, tuple(left(r) for r in self.running.values()),
+                            tuple(left(r) for r in self.waiting))

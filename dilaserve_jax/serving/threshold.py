@@ -1,0 +1,258 @@
+"""Per-request confidence-threshold control and load control (pure Python; no JAX).
+
+Each step, for every running and queued request:
+  steps(τ) = Σ over remaining blocks of ceil(masked tokens in block / tokens-per-step(τ)), one of
+             which per block is a refresh (the current block's only if its refresh is still due);
+  time(τ)  = n_refresh · T_refresh(B) + n_reuse · T_reuse(B), latency model at the current batch B
+             (all active requests advance one step per round, so B is the round's batch);
+  τ        = the highest τ in [τ_min, τ_max] (and ≤ the load cap) with start + time(τ) ≤ deadline.
+Tokens-per-step(τ) is an online estimate: a prior (τ → tokens/step, measured by the eval command),
+updated by an exponential moving average per τ bucket, times a per-request speed ratio (hard prompts
+commit fewer tokens per step than the average).
+
+Load control: requests are placed on the slots in deadline order (queued ones start when a slot
+frees). If some cannot meet their deadlines, a system-wide cap on τ is lowered (never below each
+request's τ_min) to the highest cap that makes as many as possible feasible — thresholds drop
+*before* requests miss. A request infeasible even at τ_min is marked at risk: it does not hold a
+place in the slot model and the scheduler runs it only on spare capacity.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+from dilaserve_jax.serving.request import Request
+from dilaserve_jax.serving.types import StepKind
+
+TAU_GRID: tuple[float, ...] = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
+# Tokens committed per step at each τ for a 32-token block (τ = 1.0 commits only the argmax, since
+# the commit rule is strict conf > τ). A placeholder until replaced by the measured prior.
+DEFAULT_PRIOR: Mapping[float, float] = {1.0: 1.0, 0.95: 1.6, 0.9: 2.0, 0.8: 2.6, 0.7: 3.2, 0.6: 3.9,
+                                        0.5: 4.7, 0.4: 5.6, 0.3: 6.8}
+
+StepTime = Callable[[StepKind, int, Request], float]  # (kind, batch, request) -> seconds
+
+
+@dataclass(frozen=True, slots=True)
+class ThresholdConfig:
+    grid: tuple[float, ...] = TAU_GRID
+    prior: tuple[tuple[float, float], ...] = tuple(DEFAULT_PRIOR.items())
+    ema: float = 0.1  # weight of a new observation in the per-τ estimate
+    request_ema: float = 0.3  # weight of a new observation in a request's speed ratio
+    safety: float = 1.05  # predicted times are multiplied by this margin
+
+    def __post_init__(self) -> None:
+        if not self.grid or any(not 0 < t <= 1 for t in self.grid):
+            raise ValueError(f"τ grid must be non-empty and in (0, 1]: {self.grid}")
+        if list(self.grid) != sorted(self.grid, reverse=True) or len(set(self.grid)) != len(self.grid):
+            raise ValueError("τ grid must be strictly descending")
+        if not self.prior or any(v < 1.0 for _, v in self.prior):
+            raise ValueError("prior tokens/step must be >= 1 (at least the argmax commits)")
+        if not (0 < self.ema <= 1 and 0 < self.request_ema <= 1 and self.safety >= 1):
+            raise ValueError("ema weights must be in (0, 1], safety >= 1")
+
+    @classmethod
+    def with_prior(cls, prior: Mapping[float, float], **kw) -> "ThresholdConfig":
+        return cls(prior=tuple(sorted(((float(t), float(v)) for t, v in prior.items()), reverse=True)), **kw)
+
+
+class TokensPerStep:
+    """Online tokens-committed-per-step estimate per τ bucket (buckets = the τ grid)."""
+
+    def __init__(self, cfg: ThresholdConfig) -> None:
+        self.cfg = cfg
+        pts = sorted(cfg.prior)  # ascending τ
+        self._rates = [_interp(t, pts) for t in cfg.grid]
+        self.counts = [0] * len(cfg.grid)
+
+    def bucket(self, tau: float) -> int:
+        return min(range(len(self.cfg.grid)), key=lambda i: abs(self.cfg.grid[i] - tau))
+
+    def observe(self, tau: float, n_committed: int) -> None:
+        i = self.bucket(tau)
+        self._rates[i] += self.cfg.ema * (n_committed - self._rates[i])
+        self.counts[i] += 1
+
+    def rate(self, tau: float) -> float:
+        """Interpolated, and monotone: a lower τ never predicts fewer tokens than a higher one."""
+        mono, best = [], 0.0
+        for r in self._rates:  # grid descends in τ
+            best = max(best, r)
+            mono.append(best)
+        return max(1.0, _interp(tau, sorted(zip(self.cfg.grid, mono))))
+
+    def snapshot(self) -> dict[float, float]:
+        return {t: round(self.rate(t), 4) for t in self.cfg.grid}
+
+
+def _interp(x: float, pts: Sequence[tuple[float, float]]) -> float:
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return pts[-1][1]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    tau: float
+    at_risk: bool
+    predicted_finish: float
+    predicted_start: float  # now for running requests; when a slot frees for queued ones
+
+    def slack_if_started(self, deadline: float, now: float) -> float:
+        """Slack if it ran from now on (queue position left out, so order is not self-fulfilling)."""
+        return deadline - (now + self.predicted_finish - self.predicted_start)
+
+
+@dataclass(slots=True)
+class _Cand:
+    req: Request
+    taus: list[float]  # descending
+    durs: list[float]  # predicted seconds to finish at each τ
+    running: bool
+
+
+@dataclass(slots=True)
+class ThresholdController:
+    cfg: ThresholdConfig = field(default_factory=ThresholdConfig)
+    tps: TokensPerStep = None  # type: ignore[assignment]
+    ratios: dict[str, float] = field(default_factory=dict)  # per-request speed vs the average
+    cap: float = 1.0  # current load-control cap (for reporting)
+    mean_refresh_fraction: float = 0.0  # share of remaining steps that are refreshes, active requests
+    _last_tau: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.tps is None:
+            self.tps = TokensPerStep(self.cfg)
+
+    # --- online estimates ---
+    def observe(self, req: Request, tau: float, n_committed: int, block_finished: bool) -> None:
+        if block_finished:  # commits capped by the block end say nothing about the rate
+            return
+        expected = self.tps.rate(tau)
+        r = self.ratios.get(req.id, 1.0)
+        r += self.cfg.request_ema * (n_committed / expected - r)
+        self.ratios[req.id] = min(4.0, max(0.25, r))
+        self.tps.observe(tau, n_committed)
+
+    def forget(self, req_id: str) -> None:
+        self.ratios.pop(req_id, None)
+        self._last_tau.pop(req_id, None)
+
+    def candidates(self, req: Request) -> list[float]:
+        taus = {t for t in self.cfg.grid if req.tau_min <= t <= req.tau_max} | {req.tau_min, req.tau_max}
+        return sorted(taus, reverse=True)
+
+    def steps_needed(self, req: Request, tau: float) -> tuple[int, int]:
+        """(refresh steps, reuse steps) to finish at τ."""
+        if req.blocks_left == 0:
+            return 0, 0
+        tps = max(1.0, self.tps.rate(tau) * self.ratios.get(req.id, 1.0))
+        first = max(1, math.ceil(req.masked_in_block / tps))
+        per_block = max(1, math.ceil(req.block_length / tps))
+        full = req.blocks_left - 1
+        n_refresh = full + (1 if req.needs_refresh else 0)
+        return n_refresh, first + full * per_block - n_refresh
+
+    def refresh_fraction(self, req: Request, tau: float) -> float:
+        n_ref, n_reu = self.steps_needed(req, tau)
+        return n_ref / (n_ref + n_reu) if n_ref + n_reu else 0.0
+
+    def remaining_time(self, req: Request, tau: float, batch: int, step_time: StepTime,
+                       others_refreshing: float | None = None) -> float:
+        """Predicted wall time to finish at τ while sharing the instance with batch - 1 others.
+
+        Refresh and reuse run as separate batches, so each of its steps also waits for the other
+        kind's batch of the others: a reuse step waits for a refresh batch whenever one of the others
+        needs one (expected `others_refreshing` of them per round), a refresh step for their reuse batch.
+        """
+        if others_refreshing is None:
+            others_refreshing = (batch - 1) * self.mean_refresh_fraction
+        n_ref, n_reu = self.steps_needed(req, tau)
+        t_ref = step_time(StepKind.REFRESH, batch, req)
+        t_reu = step_time(StepKind.REUSE, batch, req)
+        t_ref_others = step_time(StepKind.REFRESH, max(1, min(batch, math.ceil(others_refreshing))), req)
+        wait_reuse = min(1.0, others_refreshing) * t_ref_others  # per own reuse step
+        wait_refresh = t_reu if batch > 1 else 0.0  # per own refresh step
+        t = n_ref * (t_ref + wait_refresh) + n_reu * (t_reu + wait_reuse)
+        return t * self.cfg.safety
+
+    def feasible_at(self, req: Request, start: float, batch: int, step_time: StepTime) -> bool:
+        """Can it meet its deadline at τ_min, starting at `start` with this batch?"""
+        return start + self.remaining_time(req, req.tau_min, batch, step_time) <= req.deadline
+
+    # --- the per-step plan ---
+    def plan(self, running: Sequence[Request], waiting: Sequence[Request], now: float, num_slots: int,
+             step_time: StepTime) -> dict[str, Decision]:
+        """τ and at-risk flag for every running and queued request (also sets `req.at_risk`)."""
+        if not running and not waiting:
+            return {}
+        batch = max(1, min(len(running) + len(waiting), num_slots))
+        active = [(r, True) for r in running] + [(w, False) for w in waiting]
+        # the others' refresh share at their previous τ (or τ_max) sets how often refreshes interleave
+        fracs = {r.id: self.refresh_fraction(r, self._last_tau.get(r.id, r.tau_max)) for r, _ in active}
+        self.mean_refresh_fraction = sum(fracs.values()) / len(fracs)
+        per_slot = (batch - 1) / max(1, len(active) - 1) if len(active) > 1 else 0.0
+        total = sum(fracs.values())
+        cands = []
+        for req, is_running in active:
+            others = (total - fracs[req.id]) * per_slot  # only `batch` of them run concurrently
+            taus = self.candidates(req)
+            durs = [self.remaining_time(req, t, batch, step_time, others) for t in taus]
+            cands.append(_Cand(req, taus, durs, is_running))
+        cands.sort(key=lambda c: (not c.running, c.req.deadline, c.req.arrival))
+        free = max(0, num_slots - len(running))
+        caps = sorted({t for t in self.cfg.grid} | {1.0}, reverse=True)
+        # misses are (nearly) monotone in the cap: take the highest cap reaching the floor's count
+        floor = self._pass(cands, now, free, caps[-1])
+        best_cap, best = caps[-1], floor
+        lo, hi = 0, len(caps) - 1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            res = self._pass(cands, now, free, caps[mid])
+            if _misses(res) <= _misses(floor):
+                best_cap, best, hi = caps[mid], res, mid - 1
+            else:
+                lo = mid + 1
+        self.cap = best_cap
+        self._last_tau = {rid: d.tau for rid, d in best.items()}
+        for c in cands:
+            c.req.at_risk = best[c.req.id].at_risk
+        return best
+
+    @staticmethod
+    def _pass(cands: list[_Cand], now: float, free: int, cap: float) -> dict[str, Decision]:
+        slots = [now] * free  # times at which slots free up
+        heapq.heapify(slots)
+        out = {}
+        for c in cands:
+            if c.running:
+                start = now
+            elif slots:
+                start = heapq.heappop(slots)
+            else:
+                start = math.inf
+            choice = None
+            for t, d in zip(c.taus, c.durs):
+                if (t <= cap or t == c.taus[-1]) and start + d <= c.req.deadline:
+                    choice = (t, d)
+                    break
+            if choice is None:  # hopeless even at τ_min: run fast when it runs, hold no place
+                t, d = c.taus[-1], c.durs[-1]
+                out[c.req.id] = Decision(t, True, start + d, start)
+                if c.running:
+                    heapq.heappush(slots, now + d)
+                elif math.isfinite(start):
+                    heapq.heappush(slots, start)
+            else:
+                out[c.req.id] = Decision(choice[0], False, start + choice[1], start)
+                heapq.heappush(slots, start + choice[1])
+        return out
+
+
+def _misses(res: Mapping[str, Decision]) -> int:
+    return sum(d.at_risk for d in res.values())

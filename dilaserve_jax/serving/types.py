@@ -1,0 +1,89 @@
+"""The contract between the scheduler/engine and a runner (the decoding state of one instance).
+
+Pure Python: the real runner (jitted steps) and the fake runner both implement `Runner`; the
+scheduler only produces `StepPlan`s, so it never touches a runner (the simulator reuses it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Protocol, Sequence, runtime_checkable
+
+
+class StepKind(IntEnum):
+    """REFRESH: full-canvas forward that rewrites the KV cache (first step of every block, and the
+    first step after admission or migration). REUSE: only the current block's tokens, against the
+    cached K/V. They have different shapes, so one batch holds one kind."""
+
+    REFRESH = 0
+    REUSE = 1
+
+
+@dataclass(frozen=True, slots=True)
+class SlotOutcome:
+    """What one step did to one slot: the positions (answer-relative) committed, their tokens."""
+
+    slot: int
+    positions: tuple[int, ...]
+    tokens: tuple[int, ...]
+    n_committed: int
+    max_confidence: float
+    block_finished: bool
+    request_finished: bool
+
+
+@runtime_checkable
+class Runner(Protocol):
+    num_slots: int
+    tp_degree: int
+
+    def admit(self, slot: int, prompt_tokens: Sequence[int], answer_length: int, block_length: int) -> None:
+        """Place a fresh canvas in `slot`; that slot's next step must be REFRESH."""
+
+    def release(self, slot: int) -> None:
+        """Forget the slot's request; the slot may be admitted into again."""
+
+    def step(self, kind: StepKind, slots: Sequence[int], taus: Sequence[float]) -> list[SlotOutcome]:
+        """One batched step of `kind` over `slots` (τ per slot); one outcome per slot, same order."""
+
+    def answer(self, slot: int) -> list[int]:
+        """Committed answer tokens of the slot, up to (excluding) the first EOS."""
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    slot: int
+    request_id: str
+    prompt_tokens: tuple[int, ...]
+    answer_length: int
+    block_length: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One engine iteration: release slots, admit requests, then (if `slots`) run one step.
+
+    Releases come first so a freed slot can be admitted into in the same plan.
+    """
+
+    time: float
+    kind: StepKind | None
+    slots: tuple[int, ...] = ()
+    request_ids: tuple[str, ...] = ()
+    taus: tuple[float, ...] = ()
+    admits: tuple[Admission, ...] = ()
+    releases: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (len(self.slots) == len(self.request_ids) == len(self.taus)):
+            raise ValueError("slots, request_ids and taus must have the same length")
+        if self.slots and self.kind is None:
+            raise ValueError("a plan with slots needs a step kind")
+        if len(set(self.slots)) != len(self.slots):
+            raise ValueError(f"duplicate slots in plan: {self.slots}")
+        if any(not (0.0 < t <= 1.0) for t in self.taus):
+            raise ValueError(f"τ must be in (0, 1], got {self.taus}")
+
+    @property
+    def has_step(self) -> bool:
+        return bool(self.slots)
