@@ -161,7 +161,8 @@ class Engine:
         for slot in plan.releases:
             runner.release(slot)
         for a in plan.admits:
-            runner.admit(a.slot, a.prompt_tokens, a.answer_length, a.block_length)
+            runner.admit(a.slot, a.prompt_tokens, a.answer_length, a.block_length, temperature=a.temperature,
+                         seed=a.seed)
         if plan.has_step:
             t0 = self.clock()
             outcomes = runner.step(plan.kind, plan.slots, plan.taus)

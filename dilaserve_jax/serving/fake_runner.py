@@ -93,7 +93,8 @@ class FakeRunner:
         self.slots: dict[int, _Slot] = {}
         self.steps_run: list[tuple[StepKind, tuple[int, ...], tuple[float, ...]]] = []
 
-    def admit(self, slot: int, prompt_tokens: Sequence[int], answer_length: int, block_length: int) -> None:
+    def admit(self, slot: int, prompt_tokens: Sequence[int], answer_length: int, block_length: int, *,
+              temperature: float = 0.0, seed: int = 0) -> None:
         if not 0 <= slot < self.num_slots or slot in self.slots:
             raise ValueError(f"slot {slot} is out of range or occupied")
         prompt = tuple(prompt_tokens)

@@ -72,6 +72,8 @@ class Request:
     deadline: float
     tau_min: float = 0.5
     tau_max: float = 1.0
+    temperature: float = 0.0  # 0: greedy proposals
+    seed: int = 0  # sampling seed when temperature > 0
     # --- mutable run-time record ---
     state: RequestState = RequestState.WAITING
     slot: int | None = None
@@ -97,6 +99,8 @@ class Request:
             raise ValueError(f"answer_length {self.answer_length} must be a multiple of block_length {self.block_length}")
         if not (0.0 < self.tau_min <= self.tau_max <= 1.0):
             raise ValueError(f"need 0 < tau_min <= tau_max <= 1, got {self.tau_min}, {self.tau_max}")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
         if self.deadline < self.arrival:
             raise ValueError("deadline precedes arrival")
 

@@ -210,7 +210,8 @@ class Scheduler:
             w.transition(RequestState.RUNNING, now)
             w.slot, w.needs_refresh, w.steps_skipped = slot, True, 0
             self.running[slot] = w
-            admits.append(Admission(slot, w.id, w.prompt_tokens, w.answer_length, w.block_length))
+            admits.append(Admission(slot, w.id, w.prompt_tokens, w.answer_length, w.block_length,
+                                    w.temperature, w.seed))
         for w in self.waiting:  # passed over while a slot was free: counts towards starvation
             w.steps_skipped += 1
         return tuple(admits)

@@ -37,7 +37,8 @@ class Runner(Protocol):
     num_slots: int
     tp_degree: int
 
-    def admit(self, slot: int, prompt_tokens: Sequence[int], answer_length: int, block_length: int) -> None:
+    def admit(self, slot: int, prompt_tokens: Sequence[int], answer_length: int, block_length: int, *,
+              temperature: float = 0.0, seed: int = 0) -> None:
         """Place a fresh canvas in `slot`; that slot's next step must be REFRESH."""
 
     def release(self, slot: int) -> None:
@@ -57,6 +58,8 @@ class Admission:
     prompt_tokens: tuple[int, ...]
     answer_length: int
     block_length: int
+    temperature: float = 0.0
+    seed: int = 0
 
 
 @dataclass(frozen=True, slots=True)
