@@ -189,9 +189,12 @@ class Scheduler:
                     r.arrival)
         return least_slack
 
-    def _fits(self, group: list[Request], cand: Request, now: float) -> bool:
-        """Would every feasible member of group + cand still meet its deadline at the larger batch?"""
-        b = len(group) + 1
+    def _fits(self, group: list[Request], cand: Request, now: float, admitting: bool = False) -> bool:
+        """Would every feasible member of group + cand still meet its deadline at the larger batch?
+
+        For admission the batch counts only feasible running requests: at-risk ones join a step
+        only when it fits anyway."""
+        b = (sum(not r.at_risk for r in group) if admitting else len(group)) + 1
         members = group if cand.at_risk else [*group, cand]
         return all(r.at_risk or self._feasible(r, now, b) for r in members)
 
@@ -203,7 +206,7 @@ class Scheduler:
             if not self.free_slots:
                 break
             group = list(self.running.values())
-            if self.cfg.adaptive and group and not self._starved(w) and not self._fits(group, w, now):
+            if self.cfg.adaptive and group and not self._starved(w) and not self._fits(group, w, now, admitting=True):
                 continue
             slot = self.free_slots.pop(0)
             self.waiting.remove(w)

@@ -191,21 +191,36 @@ class ThresholdController:
         """τ and at-risk flag for every running and queued request (also sets `req.at_risk`)."""
         if not running and not waiting:
             return {}
-        batch = max(1, min(len(running) + len(waiting), num_slots))
         active = [(r, True) for r in running] + [(w, False) for w in waiting]
+        free = max(0, num_slots - len(running))
         # the others' refresh share at their previous τ (or τ_max) sets how often refreshes interleave
         fracs = {r.id: self.refresh_fraction(r, self._last_tau.get(r.id, r.tau_max)) for r, _ in active}
         self.mean_refresh_fraction = sum(fracs.values()) / len(fracs)
-        per_slot = (batch - 1) / max(1, len(active) - 1) if len(active) > 1 else 0.0
-        total = sum(fracs.values())
+        cap, best = self._solve(active, fracs, set(), now, num_slots, free, step_time)
+        risky = {rid for rid, d in best.items() if d.at_risk}
+        if risky:  # at-risk requests run on spare capacity only: re-plan the rest without them
+            cap, second = self._solve(active, fracs, risky, now, num_slots, free, step_time)
+            best = {rid: (best[rid] if rid in risky else d) for rid, d in second.items()}
+        self.cap = cap
+        self._last_tau = {rid: d.tau for rid, d in best.items()}
+        for req, _ in active:
+            req.at_risk = best[req.id].at_risk
+        return best
+
+    def _solve(self, active, fracs, excluded: set[str], now: float, num_slots: int, free: int,
+               step_time: StepTime) -> tuple[float, dict[str, Decision]]:
+        n = len(active) - len(excluded)
+        batch = max(1, min(n, num_slots))
+        per_slot = (batch - 1) / max(1, n - 1) if n > 1 else 0.0
+        total = sum(f for rid, f in fracs.items() if rid not in excluded)
         cands = []
         for req, is_running in active:
-            others = (total - fracs[req.id]) * per_slot  # only `batch` of them run concurrently
+            own = 0.0 if req.id in excluded else fracs[req.id]
+            others = (total - own) * per_slot  # only `batch` of them run concurrently
             taus = self.candidates(req)
             durs = [self.remaining_time(req, t, batch, step_time, others) for t in taus]
             cands.append(_Cand(req, taus, durs, is_running))
-        cands.sort(key=lambda c: (not c.running, c.req.deadline, c.req.arrival))
-        free = max(0, num_slots - len(running))
+        cands.sort(key=lambda c: (not c.running, c.req.id in excluded, c.req.deadline, c.req.arrival))
         caps = sorted({t for t in self.cfg.grid} | {1.0}, reverse=True)
         # misses are (nearly) monotone in the cap: take the highest cap reaching the floor's count
         floor = self._pass(cands, now, free, caps[-1])
@@ -218,11 +233,7 @@ class ThresholdController:
                 best_cap, best, hi = caps[mid], res, mid - 1
             else:
                 lo = mid + 1
-        self.cap = best_cap
-        self._last_tau = {rid: d.tau for rid, d in best.items()}
-        for c in cands:
-            c.req.at_risk = best[c.req.id].at_risk
-        return best
+        return best_cap, best
 
     @staticmethod
     def _pass(cands: list[_Cand], now: float, free: int, cap: float) -> dict[str, Decision]:
