@@ -134,7 +134,10 @@ def _flash_kernel(valid_ref, q_ref, k_ref, v_ref, *rest, scale, block_k, valid_f
         jnp.zeros((block_q, 1), jnp.float32),
     )
     # Tiles wholly past valid_len are skipped, so every visited tile has at least one real key.
-    acc, _, row_sum = lax.fori_loop(0, (valid + block_k - 1) // block_k, visit_kv_tile, init)
+    # lax.div (C division) rather than //: valid >= 0, and floor division's sign fix-up is extra
+    # work that Mosaic lowers through chip-specific rules.
+    n_tiles = lax.div(valid + (block_k - 1), block_k)
+    acc, _, row_sum = lax.fori_loop(0, n_tiles, visit_kv_tile, init)
     # valid_len 0 visits nothing: row_sum is 0 and the row must be 0, not 0/0.
     inv_sum = jnp.where(row_sum > 0, 1.0 / jnp.where(row_sum > 0, row_sum, 1.0), 0.0)
     o_ref[...] = (acc * inv_sum).astype(o_ref.dtype)
