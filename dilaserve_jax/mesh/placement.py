@@ -18,12 +18,17 @@ import numpy as np
 
 from dilaserve_jax.models.config import ModelConfig
 from dilaserve_jax.mesh.layout import Instance, Layout
+from dilaserve_jax.mesh.reshard import move
 from dilaserve_jax.mesh.sharding import param_shardings, partition_spec
 
 
 def place_params(params, instance: Instance, cfg: ModelConfig):
-    """Copy params (arrays anywhere, or host arrays) onto `instance` with the table's shardings."""
-    return jax.device_put(params, param_shardings(params, instance, cfg))
+    """Copy params onto `instance` with the table's shardings: device arrays device to device, host
+    arrays straight into their shards."""
+    def put(leaf, sharding):
+        return move(leaf, sharding) if isinstance(leaf, jax.Array) else jax.device_put(leaf, sharding)
+
+    return jax.tree_util.tree_map(put, params, param_shardings(params, instance, cfg))
 
 
 def host_placer(instance: Instance, cfg: ModelConfig) -> Callable[[tuple, np.ndarray], jax.Array]:

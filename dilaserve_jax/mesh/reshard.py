@@ -1,17 +1,29 @@
 """Live resharding: per-instance params of one layout -> per-instance params of another.
 
 Every instance holds the same weights, so each new instance copies from the old instance of the
-same process whose devices overlap its own the most (fewest bytes to move). The copy is a single
-`jax.device_put` to the new instance's shardings: device to device, never through host memory.
-Old and new copies coexist until the caller drops the old ones, so a device briefly holds both.
+same process whose devices overlap its own the most (fewest bytes to move), device to device:
+
+- when every new shard already exists as some old shard (same slice), or one old buffer holds the
+  whole array, `jax.device_put` copies (or slices on device and copies) buffers between devices;
+- when every new shard lies inside one old shard (TP 2 -> TP 4), each old shard is sliced on its
+  device and the pieces copied out;
+- otherwise (TP 4 -> TP 2 or TP 1) the old instance first all-gathers the parameter on its own
+  devices (one compiled collective) and one full copy is then sliced and copied out.
+`jax.device_put` alone would handle the last two by fetching the whole array to host memory.
+
+Old and new copies coexist until the caller drops the old ones, so a device briefly holds both (and
+an all-gathered parameter, one at a time).
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dilaserve_jax.models.config import ModelConfig
 from dilaserve_jax.mesh.layout import Instance, Layout
@@ -20,18 +32,20 @@ from dilaserve_jax.mesh.sharding import param_shardings
 
 @dataclass(frozen=True, slots=True)
 class ReshardReport:
-    """What a reshard did. bytes_moved counts shard bytes that had to arrive on a device that did not
-    already hold that slice; bytes_total is the size of all new instances' shards together."""
+    """What a reshard did. bytes_moved counts new-shard bytes that had to arrive on a device that did not
+    already hold that slice; bytes_gathered the extra all-gather traffic inside old instances (see the
+    module doc); bytes_total is the size of all new instances' shards together, replicas included."""
 
     old_spec: str
     new_spec: str
     seconds: float
     bytes_moved: int
+    bytes_gathered: int
     bytes_total: int
     instances_copied: int  # new local instances that received at least one byte
 
     def __post_init__(self):
-        if self.seconds < 0 or self.bytes_moved < 0 or self.bytes_moved > self.bytes_total:
+        if self.seconds < 0 or self.bytes_moved < 0 or self.bytes_gathered < 0 or self.bytes_moved > self.bytes_total:
             raise ValueError(f"inconsistent reshard report: {self}")
 
     def __str__(self) -> str:
@@ -48,26 +62,108 @@ def _source_for(new: Instance, old_layout: Layout, params_per_instance: Sequence
     return max(candidates, key=lambda k: (len(new_ids & set(old_layout.instances[k].device_ids)), -k))
 
 
-def _bytes_arriving(old: jax.Array, new_sharding) -> tuple[int, int]:
-    """(bytes of new shards not already present on their device in `old`, bytes of all new shards)."""
-    itemsize = old.dtype.itemsize
+def _traffic(old: jax.Array, new_sharding) -> tuple[int, int, int]:
+    """(bytes arriving on new devices that did not hold them, all-gather bytes, bytes of all new shards)."""
     old_map = old.sharding.devices_indices_map(old.shape)
     moved = total = 0
     for device, index in new_sharding.devices_indices_map(old.shape).items():
-        size = itemsize
-        for dim, s in zip(old.shape, index):
-            size *= len(range(*s.indices(dim)))
+        size = _slice_bytes(old, index)
         total += size
         held = old_map.get(device)
         if held is None or not all(_covers(h, s, dim) for h, s, dim in zip(held, index, old.shape)):
             moved += size
-    return moved, total
+    gathered = 0
+    if moved and _needs_gather(old, new_sharding):
+        gathered = sum(old.nbytes - _slice_bytes(old, index) for index in old_map.values())
+    return moved, gathered, total
+
+
+def _slice_bytes(x: jax.Array, index) -> int:
+    size = x.dtype.itemsize
+    for dim, s in zip(x.shape, index):
+        size *= len(range(*s.indices(dim)))
+    return size
 
 
 def _covers(held: slice, want: slice, dim: int) -> bool:
     h0, h1, _ = held.indices(dim)
     w0, w1, _ = want.indices(dim)
     return h0 <= w0 and w1 <= h1
+
+
+def _normalized(index, shape) -> tuple:
+    return tuple(s.indices(dim) for s, dim in zip(index, shape))
+
+
+def _old_shards_match(old: jax.Array, new_sharding) -> bool:
+    """Does every new shard's slice exist as a whole shard of `old` (so buffers can be copied as they are)?"""
+    held = {_normalized(index, old.shape) for index in old.sharding.devices_indices_map(old.shape).values()}
+    return all(_normalized(index, old.shape) in held for index in new_sharding.devices_indices_map(old.shape).values())
+
+
+def _split_plan(old: jax.Array, new_sharding) -> list | None:
+    """When every new shard lies inside one old shard (e.g. TP 2 -> TP 4): [(old shard buffer, sharding of
+    that buffer over the new devices it feeds)], so each old shard is sliced on its device and copied
+    out; None when a new shard needs pieces of several old shards (e.g. TP 4 -> TP 2)."""
+    if not isinstance(new_sharding, NamedSharding) or len(new_sharding.mesh.axis_names) != 1:
+        return None
+    old_shards = old.addressable_shards
+    groups: dict[int, tuple] = {}  # old shard number -> (its buffer, {new device: slice of the buffer it needs})
+    for device, want in new_sharding.devices_indices_map(old.shape).items():
+        covering = [k for k, s in enumerate(old_shards) if all(_covers(h, w, n) for h, w, n in zip(s.index, want, old.shape))]
+        if not covering:
+            return None
+        k = next((k for k in covering if old_shards[k].device == device), covering[0])
+        starts = tuple(h.indices(n)[0] for h, n in zip(old_shards[k].index, old.shape))
+        rel = tuple((a - o, b - o) for (a, b, _), o in zip(_normalized(want, old.shape), starts))
+        groups.setdefault(k, (old_shards[k].data, {}))[1][device] = rel
+    plan = []
+    for buffer, wanted in groups.values():
+        mesh = Mesh(np.array(list(wanted), dtype=object), new_sharding.mesh.axis_names)
+        sub = NamedSharding(mesh, new_sharding.spec)
+        got = {d: tuple((a, b) for a, b, _ in _normalized(i, buffer.shape))
+               for d, i in sub.devices_indices_map(buffer.shape).items()}
+        if got != wanted:
+            return None
+        plan.append((buffer, sub))
+    return plan
+
+
+@functools.lru_cache(maxsize=64)
+def _all_gather_on(mesh: Mesh):
+    return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def _mesh_of(sharding) -> Mesh:
+    if isinstance(sharding, NamedSharding):
+        return sharding.mesh
+    return Mesh(np.array(sorted(sharding.device_set, key=lambda d: d.id), dtype=object), ("gather",))
+
+
+def _needs_gather(old: jax.Array, new_sharding) -> bool:
+    return not (len(old.sharding.device_set) == 1 or old.sharding.is_fully_replicated
+                or _old_shards_match(old, new_sharding) or _split_plan(old, new_sharding) is not None)
+
+
+def move(old: jax.Array, new_sharding) -> jax.Array:
+    """`old` re-laid out as `new_sharding` (any devices of this process), never through host memory."""
+    if len(old.sharding.device_set) == 1 or _old_shards_match(old, new_sharding):
+        return jax.device_put(old, new_sharding)  # whole buffers copied, or one buffer sliced on device
+    if old.sharding.is_fully_replicated:
+        shards = old.addressable_shards
+        full = next((s.data for s in shards if s.device in new_sharding.device_set), shards[0].data)
+        return jax.device_put(full, new_sharding)
+    plan = _split_plan(old, new_sharding)
+    if plan is None:  # new shards span old ones: all-gather inside the old instance first
+        gathered = _all_gather_on(_mesh_of(old.sharding))(old)
+        return move(gathered, new_sharding)
+    pieces = {s.device: s.data for buffer, sub in plan for s in jax.device_put(buffer, sub).addressable_shards}
+    return jax.make_array_from_single_device_arrays(old.shape, new_sharding, [pieces[d] for d in new_sharding.addressable_devices])
+
+
+def move_params(params, shardings):
+    """`move` over a params tree and a matching tree of shardings."""
+    return jax.tree_util.tree_map(move, params, shardings)
 
 
 def reshard(params_per_instance: Sequence, old_layout: Layout, new_layout: Layout, cfg: ModelConfig):
@@ -80,20 +176,21 @@ def reshard(params_per_instance: Sequence, old_layout: Layout, new_layout: Layou
         raise ValueError(f"got params for {len(params_per_instance)} instances, old layout {old_layout.spec} has "
                          f"{len(old_layout.instances)}")
     new_layout.spec.check_model(cfg)
-    plan, moved, total, copied = [], 0, 0, 0  # bookkeeping first, so the timing covers the transfers only
+    plan, moved, gathered, total, copied = [], 0, 0, 0, 0  # bookkeeping first: the timing covers transfers only
     for inst in new_layout.instances:
         if not inst.is_local:
             plan.append(None)
             continue
         source = params_per_instance[_source_for(inst, old_layout, params_per_instance)]
         shardings = param_shardings(source, inst, cfg)
-        counts = jax.tree_util.tree_leaves(jax.tree_util.tree_map(_bytes_arriving, source, shardings),
+        counts = jax.tree_util.tree_leaves(jax.tree_util.tree_map(_traffic, source, shardings),
                                            is_leaf=lambda x: isinstance(x, tuple))
-        inst_moved = sum(m for m, _ in counts)
-        moved, total, copied = moved + inst_moved, total + sum(t for _, t in counts), copied + (inst_moved > 0)
+        inst_moved = sum(c[0] for c in counts)
+        moved, copied = moved + inst_moved, copied + (inst_moved > 0)
+        gathered, total = gathered + sum(c[1] for c in counts), total + sum(c[2] for c in counts)
         plan.append((source, shardings))
     start = time.perf_counter()
-    result = [None if step is None else jax.device_put(*step) for step in plan]
+    result = [None if step is None else move_params(*step) for step in plan]
     jax.block_until_ready([p for p in result if p is not None])
     seconds = time.perf_counter() - start
-    return result, ReshardReport(str(old_layout.spec), str(new_layout.spec), seconds, moved, total, copied)
+    return result, ReshardReport(str(old_layout.spec), str(new_layout.spec), seconds, moved, gathered, total, copied)

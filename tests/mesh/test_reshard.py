@@ -1,0 +1,138 @@
+"""Live resharding keeps every bit, moves device to device only, and reports what it moved;
+compiled steps are reused when a layout comes back."""
+import jax
+import numpy as np
+import pytest
+from conftest import host_copy
+
+from dilaserve_jax.decoding import reference
+from dilaserve_jax.mesh import CompileCache, CompileKey, Layout, place_params, replicate_to_instances, reshard
+from dilaserve_jax.mesh.sharding import param_shardings
+
+
+def _host_refused(request):
+    """Fail on any fetch to host memory: transfer guards do not see JAX's internal fallback
+    (ArrayImpl._value) that device_put takes for reshards it cannot do between devices."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def scope():
+        with pytest.MonkeyPatch.context() as mp:
+            from jax._src import array
+
+            def refuse(self):
+                raise AssertionError(f"host round trip of an array {self.shape} during resharding")
+
+            mp.setattr(array.ArrayImpl, "_value", property(refuse))
+            with jax.transfer_guard_device_to_host("disallow"), jax.transfer_guard_host_to_device("disallow"):
+                yield
+    return scope()
+
+
+def _held_bytes(per_instance) -> int:
+    return sum(s.data.nbytes for p in per_instance for leaf in jax.tree_util.tree_leaves(p) for s in leaf.addressable_shards)
+
+
+def _in_layout(params, layout, cfg):
+    first = layout.instances[0]
+    return replicate_to_instances(place_params(params, first, cfg), first, layout, cfg)
+
+
+def _assert_placed(per_instance, layout, cfg):
+    for inst, params in zip(layout.instances, per_instance):
+        for leaf, sharding in zip(jax.tree_util.tree_leaves(params),
+                                  jax.tree_util.tree_leaves(param_shardings(params, inst, cfg))):
+            assert leaf.sharding == sharding
+
+
+def test_reshard_cycle_is_bit_exact_and_device_to_device(model, cfg, request):
+    want = host_copy(model[1])
+    layout = Layout.build("2x4", config=cfg)
+    per_instance = _in_layout(model[1], layout, cfg)
+    reports = []
+    for spec in ("8x1", "4+2+1+1", "2x4"):
+        new_layout = Layout.build(spec, config=cfg)
+        with _host_refused(request):  # the weights must go device to device
+            per_instance, report = reshard(per_instance, layout, new_layout, cfg)
+        assert report.bytes_total == _held_bytes(per_instance)
+        assert len(per_instance) == len(new_layout.instances)
+        _assert_placed(per_instance, new_layout, cfg)
+        for params in per_instance:
+            got = host_copy(params)
+            assert got.keys() == want.keys()
+            for path in want:
+                assert got[path].dtype == want[path].dtype
+                assert got[path].tobytes() == want[path].tobytes(), path
+        layout = new_layout
+        reports.append(report)
+    model_bytes = sum(a.nbytes for a in want.values())
+    to_replicas, to_mixed, back = reports
+    assert (to_replicas.old_spec, to_replicas.new_spec) == ("2x4", "8x1")
+    assert to_replicas.bytes_total == 8 * model_bytes
+    # Each TP-1 replica already held 1/4 of the split parameters, and all replicated ones (norms, GQA k/v).
+    assert 0 < to_replicas.bytes_moved < to_replicas.bytes_total
+    assert to_replicas.bytes_gathered > 0  # TP 4 -> TP 1 all-gathers inside the old instances
+    assert to_mixed.bytes_gathered == 0  # from single-device replicas: plain slices and copies
+    assert 0 < back.bytes_moved < back.bytes_total  # TP4[0-3] is kept as it is
+    assert all(r.seconds > 0 for r in reports)
+    assert "2x4 -> 8x1" in str(to_replicas)
+
+
+def test_reshard_to_the_same_layout_moves_nothing(model, cfg):
+    layout = Layout.build("4x2", config=cfg)
+    per_instance = _in_layout(model[1], layout, cfg)
+    same, report = reshard(per_instance, layout, Layout.build("4x2", config=cfg), cfg)
+    assert report.bytes_moved == 0 and report.bytes_gathered == 0 and report.instances_copied == 0
+    assert report.bytes_total == _held_bytes(per_instance)
+    assert all(a is b for p, q in zip(per_instance, same)
+               for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(q)))
+
+
+def test_finer_split_slices_on_device_without_gathering(model, cfg):
+    want = host_copy(model[1])
+    layout = Layout.build("4x2", config=cfg)
+    per_instance = _in_layout(model[1], layout, cfg)
+    kv_kernel_bytes = want["blocks/0/k_proj/kernel"].nbytes
+    # TP 2 -> 4 -> 8: every new shard lies inside an old one. Only the k/v kernels gather at TP 2 -> 4, where
+    # 2 kv heads stop being split and become replicated (each of 2 old devices fetches the other half).
+    for spec, gathered in (("2x4", 2 * cfg.n_layers * 2 * kv_kernel_bytes), ("1x8", 0)):
+        new_layout = Layout.build(spec, config=cfg)
+        with _host_refused(None):
+            per_instance, report = reshard(per_instance, layout, new_layout, cfg)
+        assert report.bytes_gathered == gathered and report.bytes_moved > 0
+        _assert_placed(per_instance, new_layout, cfg)
+        assert all(host_copy(p)[k].tobytes() == want[k].tobytes() for p in per_instance for k in want)
+        layout = new_layout
+
+
+def test_reshard_rejects_mismatched_inputs(model, cfg):
+    layout = Layout.build("2x4", config=cfg)
+    with pytest.raises(ValueError, match="params for 1 instances, old layout 2x4 has 2"):
+        reshard([model[1]], layout, Layout.build("8x1"), cfg)
+
+
+def test_returning_to_a_layout_reuses_compiled_steps(model, cfg):
+    graphdef, params = model
+    canvas = jax.numpy.zeros((12,), jax.numpy.int32)
+    cache = CompileCache()
+
+    def compiled_for(inst, inst_params):
+        build = lambda: jax.jit(reference._logits.__wrapped__, static_argnums=0).lower(graphdef, inst_params, canvas).compile()
+        return cache.get(inst, ("full", 1, canvas.shape[0]), build)
+
+    layout = Layout.build("2x4", config=cfg)
+    per_instance = _in_layout(params, layout, cfg)
+    first_round = [compiled_for(inst, p) for inst, p in zip(layout.instances, per_instance)]
+    assert (cache.misses, cache.hits, len(cache)) == (2, 0, 2)
+    for spec in ("1x8", "2x4"):
+        new_layout = Layout.build(spec, config=cfg)
+        per_instance, _ = reshard(per_instance, layout, new_layout, cfg)
+        layout = new_layout
+        outputs = [compiled_for(inst, p)(p, canvas) for inst, p in zip(layout.instances, per_instance)]
+    assert cache.misses == 3  # 2x4's two instances and 1x8's one; coming back to 2x4 compiled nothing
+    assert cache.hits == 2
+    assert [compiled_for(inst, None) for inst in layout.instances] == first_round  # the same executables
+    np.testing.assert_allclose(np.asarray(outputs[0]), np.asarray(outputs[1]), rtol=1e-6)
+    assert CompileKey.of(layout.instances[1], ("full", 1, 12)) == CompileKey(4, (4, 5, 6, 7), ("full", 1, 12))
+    with pytest.raises(ValueError, match="does not match"):
+        CompileKey(2, (0,), "b")
