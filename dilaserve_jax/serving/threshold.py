@@ -42,6 +42,9 @@ class ThresholdConfig:
     ema: float = 0.1  # weight of a new observation in the per-τ estimate
     request_ema: float = 0.3  # weight of a new observation in a request's speed ratio
     safety: float = 1.05  # predicted times are multiplied by this margin
+    # share of the others' refresh steps that run in the same batch as one's own (requests admitted
+    # together stay in phase, since every request needing a refresh joins the refresh batch)
+    refresh_alignment: float = 0.5
 
     def __post_init__(self) -> None:
         if not self.grid or any(not 0 < t <= 1 for t in self.grid):
@@ -50,6 +53,8 @@ class ThresholdConfig:
             raise ValueError("τ grid must be strictly descending")
         if not self.prior or any(v < 1.0 for _, v in self.prior):
             raise ValueError("prior tokens/step must be >= 1 (at least the argmax commits)")
+        if not 0 <= self.refresh_alignment <= 1:
+            raise ValueError("refresh_alignment must be in [0, 1]")
         if not (0 < self.ema <= 1 and 0 < self.request_ema <= 1 and self.safety >= 1):
             raise ValueError("ema weights must be in (0, 1], safety >= 1")
 
@@ -176,7 +181,7 @@ class ThresholdController:
         t_ref = step_time(StepKind.REFRESH, batch, req)
         t_reu = step_time(StepKind.REUSE, batch, req)
         t_ref_others = step_time(StepKind.REFRESH, max(1, min(batch, math.ceil(others_refreshing))), req)
-        wait_reuse = min(1.0, others_refreshing) * t_ref_others  # per own reuse step
+        wait_reuse = (1 - self.cfg.refresh_alignment) * min(1.0, others_refreshing) * t_ref_others
         wait_refresh = t_reu if batch > 1 else 0.0  # per own refresh step
         t = n_ref * (t_ref + wait_refresh) + n_reu * (t_reu + wait_reuse)
         return t * self.cfg.safety
@@ -196,11 +201,20 @@ class ThresholdController:
         # the others' refresh share at their previous τ (or τ_max) sets how often refreshes interleave
         fracs = {r.id: self.refresh_fraction(r, self._last_tau.get(r.id, r.tau_max)) for r, _ in active}
         self.mean_refresh_fraction = sum(fracs.values()) / len(fracs)
-        cap, best = self._solve(active, fracs, set(), now, num_slots, free, step_time)
-        risky = {rid for rid, d in best.items() if d.at_risk}
-        if risky:  # at-risk requests run on spare capacity only: re-plan the rest without them
-            cap, second = self._solve(active, fracs, risky, now, num_slots, free, step_time)
-            best = {rid: (best[rid] if rid in risky else d) for rid, d in second.items()}
+        # at risk: joining the others (deadline order) would make someone infeasible even at τ_min
+        # and start now; they run on spare capacity only, so the rest are planned without them
+        risky: set[str] = set()
+        members: list[Request] = []
+        for req, _ in sorted(active, key=lambda a: (not a[1], a[0].deadline, a[0].arrival)):
+            b = max(1, min(len(members) + 1, num_slots))
+            group = [*members, req] if len(members) < num_slots else [req]
+            if all(self.feasible_at(r, now, b, step_time) for r in group):
+                members.append(req)
+            else:
+                risky.add(req.id)
+        cap, best = self._solve(active, fracs, risky, now, num_slots, free, step_time)
+        best = {rid: (Decision(d.tau, True, d.predicted_finish, d.predicted_start) if rid in risky else d)
+                for rid, d in best.items()}
         self.cap = cap
         self._last_tau = {rid: d.tau for rid, d in best.items()}
         for req, _ in active:
@@ -222,14 +236,20 @@ class ThresholdController:
             cands.append(_Cand(req, taus, durs, is_running))
         cands.sort(key=lambda c: (not c.running, c.req.id in excluded, c.req.deadline, c.req.arrival))
         caps = sorted({t for t in self.cfg.grid} | {1.0}, reverse=True)
-        # misses are (nearly) monotone in the cap: take the highest cap reaching the floor's count
+        # the highest cap that (a) misses no request the floor cap would meet — a higher cap that
+        # merely misses as *many*, but earlier-deadline ones, is not acceptable — and (b) lets every
+        # queued request run at the cap too, so running requests do not spend the queue's slack
+        # (thresholds drop together). Binary search: both get harder, nearly monotonically, with the cap.
         floor = self._pass(cands, now, free, caps[-1])
+        floor_misses = _misses(floor)
         best_cap, best = caps[-1], floor
         lo, hi = 0, len(caps) - 1
         while lo <= hi:
             mid = (lo + hi) // 2
             res = self._pass(cands, now, free, caps[mid])
-            if _misses(res) <= _misses(floor):
+            queue_ok = all(d.at_risk or c.running or d.tau >= min(caps[mid], c.taus[0]) - 1e-9
+                           for c in cands for d in (res[c.req.id],))
+            if _misses(res) <= floor_misses and queue_ok:
                 best_cap, best, hi = caps[mid], res, mid - 1
             else:
                 lo = mid + 1
@@ -265,5 +285,5 @@ class ThresholdController:
         return out
 
 
-def _misses(res: Mapping[str, Decision]) -> int:
-    return sum(d.at_risk for d in res.values())
+def _misses(res: Mapping[str, Decision]) -> set[str]:
+    return {rid for rid, d in res.items() if d.at_risk}

@@ -1,0 +1,80 @@
+import json
+
+import numpy as np
+import pytest
+
+from dilaserve_jax.serving.latency import LatencyModel, Profile, ProfilePoint, fit
+from dilaserve_jax.serving.roofline import A100, H100, H200, analytic_profile, step_seconds
+from dilaserve_jax.serving.types import StepKind
+
+R, U = StepKind.REFRESH, StepKind.REUSE
+
+
+def _synthetic(noise, seed=0):
+    """Known coefficients per TP degree, multiplicative noise."""
+    rng = np.random.default_rng(seed)
+    pts = []
+    for tp in (1, 2):
+        for b in (1, 2, 4, 8, 16):
+            for l in (128, 256, 512, 1024):
+                for k in (16, 32):
+                    ref = (3e-3 + 2e-7 * b * l + 1e-10 * b * l * l) / tp
+                    reu = (1e-3 + 5e-7 * b * k + 2e-8 * b * l + 1e-10 * b * k * l) / tp
+                    pts.append(ProfilePoint(R, b, l, k, tp, ref * (1 + noise * rng.standard_normal())))
+                    pts.append(ProfilePoint(U, b, l, k, tp, reu * (1 + noise * rng.standard_normal())))
+    return pts
+
+
+def test_fit_recovers_synthetic_profile_and_reports_holdout_error():
+    model = fit(_synthetic(0.02), holdout_fraction=0.25)
+    rep = model.report
+    assert rep.n_holdout > 0 and set(rep.mean_rel_error) == {"refresh", "reuse"}
+    assert max(rep.mean_rel_error.values()) < 0.05, str(rep)
+    exact = (3e-3 + 2e-7 * 4 * 700 + 1e-10 * 4 * 700 * 700)
+    assert model.predict(R, 4, 700, 32, 1) == pytest.approx(exact, rel=0.05)  # off-grid point
+    assert model.predict(R, 4, 700, 32, 2) == pytest.approx(exact / 2, rel=0.05)
+    # the report is honest: noisier data reports a larger error
+    noisy = fit(_synthetic(0.3), holdout_fraction=0.25).report
+    assert noisy.mean_rel_error["refresh"] > 3 * rep.mean_rel_error["refresh"]
+
+
+def test_refresh_costs_several_reuse_and_grows_with_canvas(latency):
+    for l in (128, 256, 512):
+        assert latency.predict(R, 4, l, 16) > 2.5 * latency.predict(U, 4, l, 16)
+    assert latency.predict(R, 4, 512, 16) > 1.5 * latency.predict(R, 4, 256, 16)
+    assert latency.predict(R, 8, 256, 16) > latency.predict(R, 4, 256, 16)
+    assert latency.predict(U, 0, 256, 16) == 0.0
+    with pytest.raises(KeyError):
+        latency.predict(R, 1, 256, 16, tp=8)
+
+
+def test_profile_json_round_trip(tmp_path):
+    prof = analytic_profile("h200", batches=(1, 4), canvases=(512, 1024), blocks=(32,), tps=(1, 2))
+    path = tmp_path / "p.json"
+    prof.save(path)
+    raw = json.loads(path.read_text())
+    assert raw["analytic"] is True and "analytic" in raw["label"] and raw["device"] == "H200"
+    assert {"kind", "batch", "canvas", "block", "tp", "seconds"} <= set(raw["points"][0])
+    assert Profile.load(path) == prof
+    model = LatencyModel.from_profile(path)
+    assert model.analytic and model.tp_degrees == (1, 2)
+
+
+def test_roofline_llada_8b_orders_chips_and_tp():
+    # refresh over 1024 tokens is compute-bound: A100 slower than H100; H100 and H200 equal FLOP rates
+    r = {c.name: step_seconds(R, 1, 1024, 32, 1, chip=c) for c in (A100, H100, H200)}
+    assert r["A100-SXM-80GB"] > 2.5 * r["H100-SXM"] and r["H200"] == pytest.approx(r["H100-SXM"], rel=0.05)
+    # reuse is weight-bandwidth-bound: ~16 GB of bf16 weights at 4.8 TB/s is ~3.3 ms
+    assert 2.5e-3 < step_seconds(U, 1, 1024, 32, 1, chip=H200) < 4.5e-3
+    assert step_seconds(U, 1, 1024, 32, 1, chip=H200) < step_seconds(U, 1, 1024, 32, 1, chip=H100)
+    assert step_seconds(R, 1, 1024, 32, 1, chip=H100) > 3 * step_seconds(U, 1, 1024, 32, 1, chip=H100)
+    t1, t4 = (step_seconds(R, 8, 2048, 32, tp, chip=H100) for tp in (1, 4))
+    assert t1 / 4 < t4 < t1 / 2  # TP divides the work but pays all-reduces
+    with pytest.raises(ValueError):
+        step_seconds(R, 1, 1024, 32, 3)
+
+
+def test_analytic_profile_fit_is_reported():
+    model = LatencyModel.from_profile(analytic_profile("a100"))
+    assert model.report.mean_rel_error["refresh"] < 0.05
+    assert model.report.mean_rel_error["reuse"] < 0.25  # roofline kink; reported, not hidden

@@ -1,0 +1,82 @@
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from dilaserve_jax.serving.request import IllegalTransition, Request, RequestState
+from dilaserve_jax.serving.types import StepKind
+
+
+def _req():
+    return Request("a", (1, 2, 3), 32, 16, arrival=0.0, deadline=1.0)
+
+
+def test_legal_lifecycle_records_times_and_progress():
+    r = _req()
+    assert (r.masked_left, r.blocks_left, r.masked_in_block, r.next_kind) == (32, 2, 16, StepKind.REFRESH)
+    r.transition(RequestState.RUNNING, 0.1)
+    r.record_step(StepKind.REFRESH, 0.9, 5, False, 0.2, 0.1)
+    assert (r.masked_left, r.blocks_left, r.masked_in_block, r.next_kind) == (27, 2, 11, StepKind.REUSE)
+    r.record_step(StepKind.REUSE, 0.8, 11, True, 0.3, 0.1)
+    assert (r.blocks_left, r.next_kind) == (1, StepKind.REFRESH)
+    r.transition(RequestState.FINISHED_OK, 0.5)
+    assert r.start_time == 0.1 and r.finish_time == 0.5 and r.deadline_met is True
+    assert [(s.kind, s.tau, s.n_committed) for s in r.steps] == [(StepKind.REFRESH, 0.9, 5), (StepKind.REUSE, 0.8, 11)]
+
+
+@pytest.mark.parametrize("path", [
+    (RequestState.FINISHED_OK,),  # cannot finish without running
+    (RequestState.RUNNING, RequestState.WAITING),
+    (RequestState.RUNNING, RequestState.FINISHED_OK, RequestState.RUNNING),
+    (RequestState.FINISHED_ABORTED, RequestState.FINISHED_OK),
+    (RequestState.RUNNING, RequestState.FINISHED_REJECTED),
+])
+def test_illegal_transitions_raise(path):
+    r = _req()
+    for s in path[:-1]:
+        r.transition(s, 0.0)
+    with pytest.raises(IllegalTransition):
+        r.transition(path[-1], 0.0)
+
+
+def test_late_finish_is_a_miss_and_step_when_not_running_raises():
+    r = _req()
+    with pytest.raises(IllegalTransition):
+        r.record_step(StepKind.REFRESH, 0.9, 1, False, 0.0, 0.0)
+    r.transition(RequestState.RUNNING, 0.0)
+    r.transition(RequestState.FINISHED_OK, 2.0)
+    assert r.deadline_met is False
+
+
+@pytest.mark.parametrize("kw", [dict(answer_length=30), dict(tau_min=0.9, tau_max=0.5), dict(deadline=-1.0)])
+def test_bad_request_rejected(kw):
+    args = dict(id="a", prompt_tokens=(1,), answer_length=32, block_length=16, arrival=0.0, deadline=1.0)
+    args.update(kw)
+    with pytest.raises(ValueError):
+        Request(**args)
+
+
+def test_pure_modules_import_without_jax():
+    code = textwrap.dedent("""
+        import sys, importlib.abc
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split('.')[0] in ('jax', 'jaxlib', 'flax'):
+                    raise ImportError('blocked: ' + name)
+        sys.meta_path.insert(0, Block())
+        try:
+            import jax
+            raise SystemExit('jax still importable')
+        except ImportError:
+            pass
+        import dilaserve_jax.serving
+        for m in ('request', 'latency', 'threshold', 'scheduler', 'types', 'roofline', 'fake_runner', 'engine', 'router'):
+            importlib = __import__('importlib')
+            importlib.import_module('dilaserve_jax.serving.' + m)
+        bad = [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')]
+        assert not bad, bad
+        print('ok')
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
