@@ -1,0 +1,73 @@
+import threading
+import time
+
+from conftest import make_engine, req
+from dilaserve_jax.serving.engine import Engine, StepTimeline
+from dilaserve_jax.serving.fake_runner import FakeRunner
+from dilaserve_jax.serving.request import Request, RequestState
+from dilaserve_jax.serving.router import Router
+from dilaserve_jax.serving.scheduler import Scheduler, SchedulerConfig
+
+
+def test_submit_future_and_progress_callbacks(latency):
+    engine, clock = make_engine(latency)
+    seen = []
+    h = engine.submit(req("a", 0.0, 10.0, answer=32), on_progress=seen.append)
+    engine.run_until_idle()
+    res = h.result(0)
+    assert res.state == RequestState.FINISHED_OK and len(res.tokens) == 32
+    assert [p.committed for p in seen] == sorted(p.committed for p in seen) and seen[-1].committed == 32
+    answer = [None] * 32
+    for p in seen:
+        for pos, tok in zip(p.positions, p.tokens):
+            answer[pos] = tok
+    assert tuple(answer) == res.tokens  # the stream rebuilds the final answer
+
+
+def _sleepy_engine(latency, name, step_s):
+    runner = FakeRunner(2, step_time=lambda k, b, l, blk: step_s, real_sleep=True)
+    return Engine(runner, Scheduler(SchedulerConfig(2), latency), clock=time.monotonic, name=name)
+
+
+def test_two_instances_overlap_in_threads(latency):
+    step_s, n = 0.02, 8  # τ = 1.0, 8 tokens: exactly 8 steps per instance
+    engines = [_sleepy_engine(latency, f"i{k}", step_s) for k in range(2)]
+    timeline = StepTimeline()
+    for e in engines:
+        e.add_step_hook(timeline)
+    router = Router(engines).start()
+    try:
+        t0 = time.monotonic()
+        hs = [e.submit(Request(f"r{k}", (1, 2), n, n, t0, t0 + 60, tau_min=1.0, tau_max=1.0))
+              for k, e in enumerate(engines)]
+        results = [h.result(timeout=10) for h in hs]
+        wall = time.monotonic() - t0
+    finally:
+        router.stop()
+    assert all(r.steps == n for r in results)
+    serial = 2 * n * step_s
+    assert wall < 0.8 * serial, f"{wall:.3f}s: instances did not overlap (serial would be {serial:.3f}s)"
+    assert timeline.overlap("i0", "i1") > 0.4 * n * step_s
+
+
+def test_router_sends_to_earliest_predicted_finish(latency):
+    busy, free = _sleepy_engine(latency, "busy", 0.0), _sleepy_engine(latency, "free", 0.0)
+    router = Router([busy, free])
+    for i in range(4):  # not started: submissions stay queued on the busy one
+        busy.submit(req(f"b{i}", time.monotonic(), 60.0))
+    assert busy.predict_finish(req("x", time.monotonic(), 60.0)) > free.predict_finish(req("y", time.monotonic(), 60.0))
+    router.submit(req("new", time.monotonic(), 60.0))
+    assert router.instance_of("new") == "free"
+    assert router.abort("new") and not router.abort("unknown")
+
+
+def test_abort_from_another_thread(latency):
+    engine = _sleepy_engine(latency, "solo", 0.005).start()
+    try:
+        h = engine.submit(req("a", time.monotonic(), 60.0, answer=256, tau_min=1.0, tau_max=1.0))
+        time.sleep(0.05)
+        threading.Thread(target=h.abort).start()
+        res = h.result(timeout=5)
+    finally:
+        engine.stop()
+    assert res.state == RequestState.FINISHED_ABORTED
