@@ -1,0 +1,70 @@
+"""Prometheus metrics of a serving cluster, served over HTTP on --metrics-port."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+
+TAU_BUCKETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0)
+TOKEN_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class _ClusterCollector:
+    """Reads queue length, running requests and the layout from the cluster at scrape time."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+
+    def collect(self):
+        state = self.cluster.state()
+        queue = GaugeMetricFamily("dilaserve_queue_length", "Requests waiting for a slot", labels=["instance"])
+        running = GaugeMetricFamily("dilaserve_running_requests", "Requests holding a slot", labels=["instance"])
+        for inst in state["instances"]:
+            queue.add_metric([inst["name"]], inst["waiting"])
+            running.add_metric([inst["name"]], inst["running"])
+        layout = InfoMetricFamily("dilaserve_layout", "Current device layout and policy")
+        layout.add_metric([], {"layout": state["layout"], "policy": state["policy"], "model": state["model"]})
+        yield from (queue, running, layout)
+
+
+class ServingMetrics:
+    def __init__(self, cluster=None, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("dilaserve_requests", "Finished calls by outcome", ["outcome"], registry=r)
+        self.deadlines = Counter("dilaserve_deadlines", "Completed requests by deadline result", ["result"], registry=r)
+        self.step_seconds = Histogram("dilaserve_step_seconds", "Denoising step latency", ["kind"],
+                                      buckets=STEP_BUCKETS, registry=r)
+        self.tau = Histogram("dilaserve_tau", "Threshold used per request step", buckets=TAU_BUCKETS, registry=r)
+        self.tokens_per_step = Histogram("dilaserve_tokens_per_step", "Tokens committed per request step",
+                                         buckets=TOKEN_BUCKETS, registry=r)
+        if cluster is not None:
+            r.register(_ClusterCollector(cluster))
+        self._http = None
+
+    def step_hook(self, name: str, plan, outcomes: Sequence, t0: float, t1: float) -> None:
+        """Engine step hook (runs on the engine thread)."""
+        self.step_seconds.labels(kind=plan.kind.name.lower()).observe(t1 - t0)
+        for tau, outcome in zip(plan.taus, outcomes):
+            self.tau.observe(tau)
+            self.tokens_per_step.observe(outcome.n_committed)
+
+    def finished(self, outcome: str, deadline_met: bool | None = None) -> None:
+        self.requests.labels(outcome=outcome).inc()
+        if deadline_met is not None:
+            self.deadlines.labels(result="met" if deadline_met else "missed").inc()
+
+    def cancelled(self) -> None:
+        self.finished("cancelled")
+
+    def serve_http(self, port: int, host: str = "127.0.0.1") -> int:
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        return server.server_address[1]
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http = None

@@ -1,0 +1,124 @@
+"""Assembles the grpc.aio server: service, health checking, reflection, auth, TLS, metrics, drain."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from dilaserve_jax.frontend import dilaserve_pb2 as pb
+from dilaserve_jax.frontend.auth import BearerTokenInterceptor
+from dilaserve_jax.frontend.metrics import ServingMetrics
+from dilaserve_jax.frontend.service import DiLaServeService
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DiLaServe"].full_name
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 = any free port
+    metrics_port: int | None = 9464  # None = no metrics endpoint; 0 = any free port
+    auth_token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    grace_s: float = 30.0
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+
+    def __post_init__(self):
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key must be given together")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.grace_s < 0:
+            raise ValueError("grace period must be >= 0")
+
+
+class RunningServer:
+    def __init__(self, server, service: DiLaServeService, health_servicer, metrics: ServingMetrics,
+                 port: int, metrics_port: int | None, grace_s: float):
+        self.server, self.service, self.health, self.metrics = server, service, health_servicer, metrics
+        self.port, self.metrics_port, self.grace_s = port, metrics_port, grace_s
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def drain_and_stop(self, grace_s: float | None = None) -> bool:
+        """NOT_SERVING, refuse new calls, let in-flight calls finish (up to the grace period), stop."""
+        grace_s = self.grace_s if grace_s is None else grace_s
+        await self.set_serving(False)
+        finished = await self.service.drain(grace_s)
+        await self.server.stop(grace=1.0)
+        self.metrics.close()
+        return finished
+
+
+class MalformedRequest:
+    """Stands in for a request whose bytes did not parse, so the service can answer INVALID_ARGUMENT."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _lenient(message_type):
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except Exception as err:  # protobuf raises DecodeError (and others for some malformed inputs)
+            return MalformedRequest(err)
+    return parse
+
+
+def service_handlers(service: DiLaServeService):
+    """Method handlers like the generated ones, but malformed bytes reach the service as MalformedRequest
+    (gRPC would otherwise answer INTERNAL); unknown fields parse and are ignored, as protobuf intends."""
+    methods = pb.DESCRIPTOR.services_by_name["DiLaServe"].methods_by_name
+    handlers = {}
+    for name, method in methods.items():
+        request_type = getattr(pb, method.input_type.name)
+        response_type = getattr(pb, method.output_type.name)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[name] = make(getattr(service, name), request_deserializer=_lenient(request_type),
+                              response_serializer=response_type.SerializeToString)
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+async def start_server(cluster, options: ServerOptions) -> RunningServer:
+    """Start listening (health NOT_SERVING until `set_serving(True)` after warm-up)."""
+    interceptors = [BearerTokenInterceptor(options.auth_token)] if options.auth_token else []
+    server = grpc.aio.server(interceptors=interceptors, options=[
+        ("grpc.max_receive_message_length", options.max_message_bytes),
+        ("grpc.max_send_message_length", options.max_message_bytes),
+    ])
+    metrics = ServingMetrics(cluster)
+    for engine in cluster.engines:
+        engine.add_step_hook(metrics.step_hook)
+    service = DiLaServeService(cluster, metrics)
+    server.add_generic_rpc_handlers((service_handlers(service),))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    address = f"{options.host}:{options.port}"
+    if options.tls_cert:
+        creds = grpc.ssl_server_credentials([(Path(options.tls_key).read_bytes(), Path(options.tls_cert).read_bytes())])
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind {address}")
+    await server.start()
+    metrics_port = None
+    if options.metrics_port is not None:
+        metrics_port = metrics.serve_http(options.metrics_port, options.host)
+    running = RunningServer(server, service, health_servicer, metrics, port, metrics_port, options.grace_s)
+    await running.set_serving(False)
+    return running
