@@ -1,0 +1,199 @@
+"""`python -m dilaserve_jax.tasks.eval`: accuracy and decoding speed per task and confidence threshold.
+
+For every task and threshold it decodes the same held-out problems and reports the valid-answer
+rate, the mean number of tokens committed per denoising step (all steps pooled) and the mean
+number of steps per request.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+
+DEFAULT_THRESHOLDS = (1.0, 0.9, 0.7, 0.5, 0.3)
+DECODERS = ("reference", "fast")
+CACHE_MODES = ("none", "prefix", "dual")
+
+
+@dataclass(frozen=True, slots=True)
+class EvalConfig:
+    model: str = "tiny"
+    thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS
+    per_task: int = 50
+    tasks: tuple[str, ...] = ()
+    block_length: int = 32
+    split: str = "heldout"
+    seed: int = 0
+    decoder: str = "reference"
+    cache_mode: str = "dual"  # fast decoder only
+
+    def __post_init__(self):
+        from dilaserve_jax.tasks.suite import SPLITS, TASKS
+
+        if not self.thresholds or not all(0.0 < t <= 1.0 for t in self.thresholds):
+            raise ValueError(f"thresholds must be in (0, 1], got {self.thresholds}")
+        if self.per_task <= 0 or self.block_length <= 0:
+            raise ValueError("per_task and block_length must be positive")
+        unknown = set(self.tasks) - set(TASKS)
+        if unknown:
+            raise ValueError(f"unknown tasks {sorted(unknown)}; tasks: {', '.join(TASKS)}")
+        if self.split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}")
+        if self.decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {DECODERS}, got {self.decoder!r}")
+        if self.cache_mode not in CACHE_MODES:
+            raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    answer: list[int]  # tokens before the first EOS
+    steps: int
+    committed: int  # positions committed over all steps (EOS included)
+
+
+def _reference_decoder(model, block_length: int, cache_mode: str):
+    from dilaserve_jax.decoding.reference import generate
+
+    def run(prompts, gen_length, tau, on_done):
+        out = []
+        for p in prompts:
+            r = generate(model.graphdef, model.params, model.config, p, gen_length, block_length, tau)
+            out.append(Decoded(r.answer, r.steps, sum(r.committed_per_step)))
+            on_done(1)
+        return out
+
+    return run
+
+
+def _fast_decoder(model, block_length: int, cache_mode: str, num_slots: int = 16):
+    """Batched decoding on a SlotDecoder (KV-cached unless cache_mode is 'none')."""
+    try:
+        from dilaserve_jax.decoding.buckets import CacheMode
+        from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
+        from dilaserve_jax.decoding.offline import DecodeRequest, generate_many
+    except ImportError as err:
+        raise ValueError(f"the fast decoding path is not available ({err}); use --decoder reference") from None
+    from dilaserve_jax.tasks.suite import TASKS
+
+    longest = max(t.max_prompt + t.gen_length for t in TASKS.values())
+    lengths = tuple(sorted({min(64, model.config.max_len), min(-(-longest // 64) * 64, model.config.max_len)}))
+    decoder = SlotDecoder(model.config, model.graphdef, model.params,
+                          DecoderConfig(num_slots, lengths, (block_length,), CacheMode(cache_mode)),
+                          warm_up=False, progress=False)  # compile only the shapes this run uses
+
+    def run(prompts, gen_length, tau, on_done):
+        reqs = [DecodeRequest(tuple(p), gen_length, block_length, tau) for p in prompts]
+        results, _ = generate_many(decoder, reqs)
+        on_done(len(prompts))
+        return [Decoded(r.answer, r.steps, r.committed) for r in results]
+
+    return run
+
+
+DECODER_FACTORIES = {"reference": _reference_decoder, "fast": _fast_decoder}
+
+
+def evaluate(cfg: EvalConfig, model=None, progress: bool = True) -> list[dict]:
+    """Rows {task, kind, threshold, accuracy, tokens_per_step, steps, n} for every task x threshold."""
+    from tqdm import tqdm
+
+    from dilaserve_jax.models import load_model
+    from dilaserve_jax.tasks.graders import grade
+    from dilaserve_jax.tasks.suite import TASKS, unique_problems
+
+    model = model or load_model(cfg.model)
+    run = DECODER_FACTORIES[cfg.decoder](model, cfg.block_length, cfg.cache_mode)
+    names = cfg.tasks or tuple(TASKS)
+    rows = []
+    bar = tqdm(total=len(names) * len(cfg.thresholds) * cfg.per_task, desc="eval", unit="req",
+               disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    for name in names:
+        task, problems = TASKS[name], unique_problems(name, cfg.split, cfg.per_task, cfg.seed)
+        prompts = [model.tokenizer.encode(p.prompt) for p in problems]
+        for tau in cfg.thresholds:
+            bar.set_postfix(task=name, tau=tau)
+            decoded = run(prompts, task.gen_length, tau, bar.update)
+            correct = sum(grade(p, model.tokenizer.decode(d.answer)) for p, d in zip(problems, decoded))
+            steps = sum(d.steps for d in decoded)
+            rows.append({"task": name, "kind": task.kind, "threshold": tau,
+                         "accuracy": correct / len(problems),
+                         "tokens_per_step": sum(d.committed for d in decoded) / max(steps, 1),
+                         "steps": steps / len(problems), "n": len(problems)})
+    bar.close()
+    return rows + summary_rows(rows)
+
+
+def summary_rows(rows: list[dict]) -> list[dict]:
+    """Unweighted means over all tasks and over each kind, per threshold (task 'mean:<group>')."""
+    out = []
+    for tau in dict.fromkeys(r["threshold"] for r in rows):
+        at = [r for r in rows if r["threshold"] == tau]
+        for group in ("all", *dict.fromkeys(r["kind"] for r in at)):
+            sel = [r for r in at if group == "all" or r["kind"] == group]
+            out.append({"task": f"mean:{group}", "kind": "summary", "threshold": tau,
+                        **{k: sum(r[k] for r in sel) / len(sel) for k in ("accuracy", "tokens_per_step", "steps")},
+                        "n": sum(r["n"] for r in sel)})
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    """One line per task: accuracy % / tokens per step / steps per request for each threshold."""
+    taus = list(dict.fromkeys(r["threshold"] for r in rows))
+    by = {(r["task"], r["threshold"]): r for r in rows}
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    width = max(len(t) for t in tasks) + 2
+    head = "task".ljust(width) + "kind".ljust(15) + "".join(f"tau={t:<4g} acc tok/st steps".rjust(28) for t in taus)
+    lines = [head, "-" * len(head)]
+    for t in tasks:
+        kind = by[(t, taus[0])]["kind"]
+        cells = "".join(f"{100 * by[(t, u)]['accuracy']:6.1f}% {by[(t, u)]['tokens_per_step']:6.2f} "
+                        f"{by[(t, u)]['steps']:6.1f}".rjust(28) for u in taus)
+        lines.append(t.ljust(width) + kind.ljust(15) + cells)
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = EvalConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m dilaserve_jax.tasks.eval",
+        description="Evaluate a model on held-out task problems at several confidence thresholds: valid-answer "
+                    "rate, mean tokens committed per denoising step, and steps per request.")
+    p.add_argument("--model", default=d.model, help="preset (tiny) or checkpoint directory (default tiny)")
+    p.add_argument("--thresholds", type=float, nargs="+", default=list(d.thresholds),
+                   help="confidence thresholds tau in (0, 1] (default 1.0 0.9 0.7 0.5 0.3)")
+    p.add_argument("--per-task", type=int, default=d.per_task, help=f"problems per task (default {d.per_task})")
+    p.add_argument("--tasks", nargs="+", default=None, help="subset of tasks (default all)")
+    p.add_argument("--block-length", type=int, default=d.block_length, help="semi-autoregressive block length")
+    p.add_argument("--split", default=d.split, choices=("heldout", "train"), help="problem split (default heldout)")
+    p.add_argument("--seed", type=int, default=d.seed, help="problem sampling seed (default 0)")
+    p.add_argument("--decoder", default=d.decoder, choices=DECODERS,
+                   help="reference = uncached one-forward-per-step sampler (default); fast = batched slot decoder")
+    p.add_argument("--cache-mode", default=d.cache_mode, choices=CACHE_MODES,
+                   help="KV cache of the fast decoder: none (exact), prefix, dual (default)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = EvalConfig(model=args.model, thresholds=tuple(args.thresholds), per_task=args.per_task,
+                         tasks=tuple(args.tasks or ()), block_length=args.block_length, split=args.split,
+                         seed=args.seed, decoder=args.decoder,
+                         cache_mode=args.cache_mode)
+        rows = evaluate(cfg, progress=not args.no_progress)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

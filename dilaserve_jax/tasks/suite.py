@@ -1,0 +1,200 @@
+"""The synthetic task suite of the embedded tiny model: character-level prompt -> answer problems.
+
+Two kinds of task:
+- deterministic: exactly one correct answer (reverse, sort, upper);
+- multi-answer: several valid answers; training draws one uniformly and the grader accepts any.
+  Their per-position marginals are split between answers, so committing many positions in one
+  step at a low threshold mixes answers into an invalid one. `anagram` is built so that one letter
+  fills 55-80% of the answer: every position's most likely letter is that one, with confidence
+  above 0.5 and below 0.9, so tau <= 0.5 commits all of them at once (an invalid answer) while
+  tau = 0.9 still decodes one position at a time.
+
+Problems are generated deterministically from (seed, task, split). The held-out split is a hash
+partition of each problem's canonical form (the answer set it defines), so no held-out problem
+is ever drawn for training, in any presentation order.
+"""
+from __future__ import annotations
+
+import hashlib
+import string
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+DETERMINISTIC, MULTI = "deterministic", "multi-answer"
+SPLITS = ("train", "heldout")
+HELDOUT_BUCKETS = 10  # one canonical form in ten is held out
+LOWER = string.ascii_lowercase
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One task instance. `payload` is the task input the grader checks an answer against."""
+
+    task: str
+    prompt: str
+    payload: tuple
+
+    @property
+    def canonical(self) -> str:
+        return TASKS[self.task].canonical(self.payload)
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """A task: how to draw an input, show it, sample a valid answer, and its answer area."""
+
+    name: str
+    kind: str
+    gen_length: int  # answer area in tokens; answers are padded with EOS up to it
+    max_prompt: int  # longest prompt in characters (fixes the training sequence length)
+    min_answer: int
+    max_answer: int
+    draw: Callable[[np.random.Generator], tuple]  # random payload
+    prompt_of: Callable[[tuple], str]
+    canonical: Callable[[tuple], str]  # equal for payloads with the same answer set
+    answer: Callable[[tuple, np.random.Generator], str]  # one valid answer, uniform among them
+
+    def __post_init__(self):
+        if self.kind not in (DETERMINISTIC, MULTI):
+            raise ValueError(f"task kind must be {DETERMINISTIC!r} or {MULTI!r}, got {self.kind!r}")
+        if not 0 < self.min_answer <= self.max_answer <= self.gen_length:
+            raise ValueError(f"task {self.name}: need 0 < min_answer <= max_answer <= gen_length")
+
+
+def _letters(rng: np.random.Generator, lo: int, hi: int, alphabet: str = LOWER) -> str:
+    n = int(rng.integers(lo, hi + 1))
+    return "".join(alphabet[i] for i in rng.integers(0, len(alphabet), n))
+
+
+def _shuffled(rng: np.random.Generator, seq) -> list:
+    seq = list(seq)
+    return [seq[i] for i in rng.permutation(len(seq))]
+
+
+# --- deterministic tasks -------------------------------------------------------------------------
+
+def _draw_reverse(rng):
+    return (_letters(rng, 3, 14),)
+
+
+def _draw_sort(rng):
+    return (_letters(rng, 3, 16, string.digits),)
+
+
+def _draw_upper(rng):
+    # A phrase of random lowercase words, 24-90 characters: answers span one to three blocks.
+    target = int(rng.integers(24, 91))
+    phrase = _letters(rng, 2, 8)
+    while len(phrase) < target:
+        phrase += " " + _letters(rng, 2, 8)
+    return (phrase[:90].rstrip(),)
+
+
+# --- multi-answer tasks --------------------------------------------------------------------------
+
+def _draw_anagram(rng):
+    # One letter fills 55-80% of the multiset; the rest are 1-3 other distinct letters.
+    while True:
+        n = int(rng.integers(4, 11))
+        others = int(rng.integers(1, 4))
+        if 0.55 <= (n - others) / n <= 0.8:
+            break
+    picked = rng.choice(len(LOWER), size=others + 1, replace=False)
+    letters = LOWER[picked[0]] * (n - others) + "".join(LOWER[i] for i in picked[1:])
+    return ("".join(_shuffled(rng, letters)),)
+
+
+def _draw_pick(rng):
+    # Three distinct words of 3-6 letters.
+    words: list[str] = []
+    while len(words) < 3:
+        w = _letters(rng, 3, 6)
+        if w not in words:
+            words.append(w)
+    return tuple(words)
+
+
+def _any_order(payload, rng):
+    return "".join(_shuffled(rng, payload[0]))
+
+
+def _one_word(payload, rng):
+    return payload[int(rng.integers(0, len(payload)))]
+
+
+TASK_LIST = (
+    Task("reverse", DETERMINISTIC, 16, 23, 3, 14, _draw_reverse, lambda p: f"reverse {p[0]}=",
+         lambda p: p[0], lambda p, rng: p[0][::-1]),
+    Task("sort", DETERMINISTIC, 16, 22, 3, 16, _draw_sort, lambda p: f"sort {p[0]}=",
+         lambda p: p[0], lambda p, rng: "".join(sorted(p[0]))),
+    Task("upper", DETERMINISTIC, 96, 97, 24, 90, _draw_upper, lambda p: f"upper {p[0]}=",
+         lambda p: p[0], lambda p, rng: p[0].upper()),
+    Task("anagram", MULTI, 16, 19, 4, 10, _draw_anagram, lambda p: f"anagram {p[0]}=",
+         lambda p: "".join(sorted(p[0])), _any_order),
+    Task("pick", MULTI, 16, 26, 3, 6, _draw_pick, lambda p: f"pick {' '.join(p)}=",
+         lambda p: " ".join(sorted(p)), _one_word),
+)
+TASKS = {t.name: t for t in TASK_LIST}
+
+
+def task(name: str) -> Task:
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; tasks: {', '.join(TASKS)}") from None
+
+
+def split_of(task_name: str, canonical: str) -> str:
+    """'heldout' for one canonical form in HELDOUT_BUCKETS (a stable hash, not Python's hash())."""
+    digest = hashlib.sha256(f"{task_name}\x00{canonical}".encode()).digest()
+    return "heldout" if int.from_bytes(digest[:8], "little") % HELDOUT_BUCKETS == 0 else "train"
+
+
+def _rng(seed: int, task_name: str, split: str) -> np.random.Generator:
+    return np.random.default_rng([seed, TASK_LIST.index(TASKS[task_name]), SPLITS.index(split)])
+
+
+def draw_problem(t: Task, split: str, rng: np.random.Generator) -> Problem:
+    """Rejection-sample a problem of `split` (about one draw in ten is held out)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    while True:
+        payload = t.draw(rng)
+        if split_of(t.name, t.canonical(payload)) == split:
+            return Problem(t.name, t.prompt_of(payload), payload)
+
+
+def problems(task_name: str, split: str, n: int, seed: int = 0) -> list[Problem]:
+    """The first n problems of a task's split for a seed (deterministic; repeats possible)."""
+    t, rng = task(task_name), _rng(seed, task_name, split)
+    return [draw_problem(t, split, rng) for _ in range(n)]
+
+
+def unique_problems(task_name: str, split: str, n: int, seed: int = 0) -> list[Problem]:
+    """n distinct problems (by canonical form), deterministic per seed: the evaluation sample."""
+    t, rng = task(task_name), _rng(seed, task_name, split)
+    seen, out = set(), []
+    for _ in range(200 * n):
+        p = draw_problem(t, split, rng)
+        if p.canonical not in seen:
+            seen.add(p.canonical)
+            out.append(p)
+            if len(out) == n:
+                return out
+    raise ValueError(f"task {task_name} has fewer than {n} distinct {split} problems")
+
+
+def training_examples(seed: int, tasks: tuple[str, ...] | None = None,
+                      weights: tuple[float, ...] | None = None) -> Iterator[tuple[Problem, str]]:
+    """Endless (problem, sampled answer) pairs from the training split, tasks mixed by weight."""
+    names = tuple(tasks or TASKS)
+    w = np.asarray(weights if weights is not None else [1.0] * len(names), dtype=np.float64)
+    if w.shape != (len(names),) or np.any(w < 0) or w.sum() <= 0:
+        raise ValueError("weights must be non-negative, one per task, not all zero")
+    rng = np.random.default_rng([seed, 7919])
+    while True:
+        t = TASKS[names[int(rng.choice(len(names), p=w / w.sum()))]]
+        p = draw_problem(t, "train", rng)
+        yield p, t.answer(p.payload, rng)

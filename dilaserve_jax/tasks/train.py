@@ -1,0 +1,244 @@
+"""`python -m dilaserve_jax.tasks.train`: train the tiny masked-diffusion LM on the task suite.
+
+The output directory holds model_config.json and orbax steps of the parameters (a pure dict, the
+format `load_model(dir)` and the serving weight reload read), plus `train_state/` (optimizer state
+and progress) for resuming. `--export DIR` writes the final model as a bf16 LLaDA-format
+checkpoint with TRAINING.json / TRAINING.md records next to it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+DEFAULT_WEIGHTS = {"reverse": 1.0, "sort": 1.0, "upper": 0.4, "anagram": 1.2, "pick": 0.8}
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    out: str
+    model: str = "tiny"
+    steps: int = 600
+    batch_tokens: int = 3072
+    lr: float = 2e-3
+    warmup: int = 40
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    eps: float = 1e-3
+    seed: int = 0
+    compute_dtype: str = "bfloat16"
+    checkpoint_every: int = 100
+    weights: dict = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
+    export: str | None = None
+
+    def __post_init__(self):
+        from dilaserve_jax.tasks.suite import TASKS
+
+        for name in ("steps", "batch_tokens", "checkpoint_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not (self.lr > 0 and self.clip > 0 and 0 < self.eps < 1 and self.warmup >= 0):
+            raise ValueError("need lr > 0, clip > 0, 0 < eps < 1, warmup >= 0")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
+        unknown = set(self.weights) - set(TASKS)
+        if unknown or not any(w > 0 for w in self.weights.values()):
+            raise ValueError(f"weights need known tasks ({', '.join(TASKS)}) and one positive weight")
+
+
+def _tree_leaves_abstract(tree):
+    import jax
+
+    return [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(tree)]
+
+
+class _Checkpoints:
+    """Params (pure dict) at out/<step>; optimizer leaves + progress at out/train_state/<step>."""
+
+    def __init__(self, out: Path):
+        import orbax.checkpoint as ocp
+
+        opts = ocp.CheckpointManagerOptions(max_to_keep=3, create=True)
+        self.params = ocp.CheckpointManager(out.absolute(), options=opts)
+        self.state = ocp.CheckpointManager((out / "train_state").absolute(), options=opts)
+
+    def latest(self) -> int | None:
+        return self.state.latest_step()  # written last, so a step here has its params too
+
+    def save(self, step: int, params, opt_state, progress: dict) -> None:
+        import jax
+        import orbax.checkpoint as ocp
+        from flax import nnx
+
+        self.params.save(step, args=ocp.args.StandardSave(nnx.to_pure_dict(params)))
+        self.params.wait_until_finished()
+        self.state.save(step, args=ocp.args.Composite(
+            opt=ocp.args.StandardSave(jax.tree.leaves(opt_state)), progress=ocp.args.JsonSave(progress)))
+        self.state.wait_until_finished()
+
+    def restore(self, step: int, params, opt_state):
+        import jax
+        import orbax.checkpoint as ocp
+        from flax import nnx
+
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(params))
+        nnx.replace_by_pure_dict(params, self.params.restore(step, args=ocp.args.StandardRestore(target)))
+        got = self.state.restore(step, args=ocp.args.Composite(
+            opt=ocp.args.StandardRestore(_tree_leaves_abstract(opt_state)), progress=ocp.args.JsonRestore()))
+        opt_state = jax.tree.unflatten(jax.tree.structure(opt_state), list(got.opt))
+        return params, opt_state, dict(got.progress)
+
+    def close(self):
+        self.params.close()
+        self.state.close()
+
+
+def train(cfg: TrainConfig, command: str = "", progress_bar: bool = True) -> dict:
+    """Train (or resume) and return the training record."""
+    import jax
+    import numpy as np
+    from flax import nnx
+    from tqdm import tqdm
+
+    from dilaserve_jax.models.config import preset
+    from dilaserve_jax.models.llada import init_model
+    from dilaserve_jax.models.registry import save_model_config
+    from dilaserve_jax.tasks.data import batches
+    from dilaserve_jax.tasks.objective import make_optimizer, make_train_step
+
+    out = Path(cfg.out)
+    model_cfg = preset(cfg.model)
+    save_model_config(out, model_cfg)  # serving config: the preset's own activation dtype
+    graphdef, params = nnx.split(init_model(model_cfg.replace(dtype=cfg.compute_dtype), cfg.seed))
+    optimizer = make_optimizer(cfg.lr, cfg.steps, cfg.warmup, cfg.weight_decay, cfg.clip)
+    opt_state = optimizer.init(params)
+    step_fn = make_train_step(graphdef, optimizer, mask_id=model_cfg.mask_id, eps=cfg.eps)
+    ckpt = _Checkpoints(out)
+    start, progress = 0, {"wall_seconds": 0.0, "losses": []}
+    latest = ckpt.latest()
+    if latest is not None:
+        params, opt_state, progress = ckpt.restore(latest, params, opt_state)
+        start = latest
+        print(f"resuming from step {start} in {out}", file=sys.stderr)
+    data = batches(cfg.seed, cfg.batch_tokens, cfg.weights)
+    for _ in range(start):  # replay the data stream so a resumed run sees the same batches
+        next(data)
+    base_key = jax.random.key(cfg.seed)
+    losses: list[float] = list(progress["losses"])
+    wall = float(progress["wall_seconds"])
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", disable=not progress_bar,
+               file=sys.stderr, dynamic_ncols=True)
+    t_seg, tokens_seg, ema = time.perf_counter(), 0, None
+    for step in range(start, cfg.steps):
+        batch = next(data)
+        params, opt_state, loss = step_fn(params, opt_state, jax.random.fold_in(base_key, step),
+                                          batch.tokens, batch.answer_mask, batch.valid_len)
+        loss = float(loss)
+        if not np.isfinite(loss):
+            raise FloatingPointError(f"loss became {loss} at step {step}")
+        losses.append(loss)
+        ema = loss if ema is None else 0.95 * ema + 0.05 * loss
+        tokens_seg += int(batch.valid_len.sum())
+        now = time.perf_counter()
+        bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tokens_seg / max(now - t_seg, 1e-9):.0f}")
+        bar.update(1)
+        done = step + 1
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            wall += now - t_seg
+            t_seg, tokens_seg = time.perf_counter(), 0
+            ckpt.save(done, params, opt_state, {"wall_seconds": wall, "losses": losses})
+    bar.close()
+    ckpt.close()
+    tail = losses[-50:]
+    record = {
+        "command": command, "seed": cfg.seed, "steps": cfg.steps, "resumed_from": start,
+        "final_loss": round(float(np.mean(tail)), 4) if tail else None,
+        "final_loss_window": len(tail), "wall_seconds": round(wall, 1),
+        "config": asdict(cfg), "model": asdict(model_cfg),
+        "num_params": model_cfg.num_params, "jax_version": jax.__version__,
+    }
+    if cfg.export:
+        export(cfg.export, model_cfg, params, record)
+    return record
+
+
+def export(directory: str | Path, model_cfg, params, record: dict) -> None:
+    """Write params as a bf16 LLaDA-format checkpoint plus the training record."""
+    import jax
+    import jax.numpy as jnp
+
+    from dilaserve_jax.models.hf import save_hf_checkpoint
+
+    directory = Path(directory)
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    save_hf_checkpoint(directory, model_cfg, bf16,
+                       extra_config={"dilaserve_tokenizer": "char", "torch_dtype": "bfloat16"})
+    (directory / "TRAINING.json").write_text(json.dumps(record, indent=1) + "\n")
+    c = record["config"]
+    (directory / "TRAINING.md").write_text(
+        "# How the embedded tiny model was trained\n\n"
+        f"- command: `{record['command']}`\n"
+        f"- seed {record['seed']}, {record['steps']} steps of ~{c['batch_tokens']} tokens, "
+        f"AdamW lr {c['lr']} (warm-up {c['warmup']}, cosine to 10%), clip {c['clip']}, "
+        f"compute {c['compute_dtype']}\n"
+        f"- task weights: {c['weights']}\n"
+        f"- final loss (mean of last {record['final_loss_window']} steps): {record['final_loss']}\n"
+        f"- wall time: {record['wall_seconds']} s; {record['num_params']:,} parameters, "
+        f"jax {record['jax_version']}\n"
+        "- weights stored as bfloat16 safetensors (LLaDA names); character tokenizer (id = ord(c))\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = TrainConfig(out="")
+    p = argparse.ArgumentParser(
+        prog="python -m dilaserve_jax.tasks.train",
+        description="Train the tiny masked-diffusion LM on the synthetic task suite (masked-diffusion "
+                    "objective, AdamW + warm-up + cosine decay, orbax checkpoints with resume). Re-running "
+                    "with the same --out resumes from its latest checkpoint.")
+    p.add_argument("--out", default="runs/tiny", help="training directory (default runs/tiny)")
+    p.add_argument("--model", default=d.model, help=f"model preset (default {d.model})")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
+    p.add_argument("--batch-tokens", type=int, default=d.batch_tokens,
+                   help=f"tokens per batch incl. padding (default {d.batch_tokens})")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
+    p.add_argument("--warmup", type=int, default=d.warmup, help=f"warm-up steps (default {d.warmup})")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--clip", type=float, default=d.clip, help="global gradient-norm clip")
+    p.add_argument("--seed", type=int, default=d.seed, help="init, data and masking seed")
+    p.add_argument("--compute-dtype", default=d.compute_dtype, choices=("float32", "bfloat16"),
+                   help="activation dtype while training (params and optimizer stay float32)")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    p.add_argument("--weights", default=None,
+                   help="task mix as JSON, e.g. '{\"reverse\": 1, \"pick\": 0.5}' (default %s)"
+                        % json.dumps(DEFAULT_WEIGHTS))
+    p.add_argument("--export", default=None, metavar="DIR",
+                   help="write the final model as a bf16 LLaDA checkpoint + TRAINING.json/md to DIR "
+                        "(dilaserve_jax/assets/tiny replaces the embedded model)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = TrainConfig(
+            out=args.out, model=args.model, steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr,
+            warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip, seed=args.seed,
+            compute_dtype=args.compute_dtype, checkpoint_every=args.checkpoint_every,
+            weights=json.loads(args.weights) if args.weights else dict(DEFAULT_WEIGHTS), export=args.export)
+    except (ValueError, json.JSONDecodeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    command = "python -m dilaserve_jax.tasks.train " + shlex.join(argv)
+    record = train(cfg, command, progress_bar=not args.no_progress)
+    print(json.dumps({k: record[k] for k in ("steps", "final_loss", "wall_seconds")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,39 @@
+"""Evaluation: option validation, rows and table; the fast decoder is wired in."""
+import pytest
+
+from dilaserve_jax.models import load_model
+from dilaserve_jax.tasks.eval import EvalConfig, evaluate, format_table, main, summary_rows
+
+
+def test_eval_config_validates():
+    with pytest.raises(ValueError):
+        EvalConfig(thresholds=(0.0,))
+    with pytest.raises(ValueError):
+        EvalConfig(tasks=("nope",))
+    with pytest.raises(ValueError):
+        EvalConfig(decoder="magic")
+
+
+def test_summary_rows_and_table():
+    rows = [{"task": "a", "kind": "deterministic", "threshold": 1.0, "accuracy": 1.0, "tokens_per_step": 1.0, "steps": 4.0, "n": 2},
+            {"task": "b", "kind": "multi-answer", "threshold": 1.0, "accuracy": 0.5, "tokens_per_step": 3.0, "steps": 2.0, "n": 2}]
+    summary = {r["task"]: r for r in summary_rows(rows)}
+    assert summary["mean:all"]["accuracy"] == 0.75 and summary["mean:multi-answer"]["tokens_per_step"] == 3.0
+    table = format_table(rows + list(summary.values()))
+    assert "mean:all" in table and "75.0%" in table
+
+
+def test_evaluate_rows_have_the_documented_keys():
+    model = load_model("test")  # random weights: only the shape of the output is checked
+    rows = evaluate(EvalConfig(model="test", thresholds=(1.0, 0.3), per_task=2, tasks=("pick",)), model,
+                    progress=False)
+    task_rows = [r for r in rows if r["task"] == "pick"]
+    assert [r["threshold"] for r in task_rows] == [1.0, 0.3]
+    for r in task_rows:
+        assert {"task", "threshold", "accuracy", "tokens_per_step", "steps"} <= set(r)
+        assert 0.0 <= r["accuracy"] <= 1.0 and r["steps"] >= 1 and r["tokens_per_step"] >= 1.0
+
+
+def test_cli_rejects_bad_thresholds(capsys):
+    assert main(["--model", "test", "--thresholds", "1.5"]) == 2
+    assert "thresholds" in capsys.readouterr().err
