@@ -118,6 +118,10 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {err}")
             except RuntimeError as err:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+            except Exception as err:  # a server-side fault: say so instead of gRPC's bare UNKNOWN
+                log.exception("submitting %s failed", spec.request_id)
+                self._count("error")
+                await context.abort(grpc.StatusCode.INTERNAL, f"server error: {type(err).__name__}: {err}")
             result_future = asyncio.wrap_future(handle.future)
             try:
                 if stream:
@@ -128,6 +132,10 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
                 self.cluster.abort(spec.request_id)
                 self._count("cancelled")
                 raise
+            except Exception as err:  # the instance failed while running this request
+                log.exception("request %s failed", spec.request_id)
+                self._count("error")
+                await context.abort(grpc.StatusCode.INTERNAL, f"server error: {type(err).__name__}: {err}")
             if result.state == RequestState.FINISHED_REJECTED:
                 self._count("rejected")
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rejected: {result.reject_reason}")

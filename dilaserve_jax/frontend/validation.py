@@ -30,6 +30,7 @@ class Limits:
     default_slo_ms: float = 10_000.0
     default_tau_min: float = 0.5
     default_tau_max: float = 1.0
+    max_block_length: int = 32
     max_prompt_chars: int = 65_536
 
     def __post_init__(self):
@@ -86,8 +87,8 @@ def validate(req: pb.GenerateRequest, tokenizer, limits: Limits) -> GenerateSpec
         raise InvalidRequest("prompt", "set either text or token_ids")
 
     block = req.block_length if req.HasField("block_length") else limits.default_block_length
-    if block <= 0:
-        raise InvalidRequest("block_length", f"must be positive, got {block}")
+    if not 0 < block <= limits.max_block_length:
+        raise InvalidRequest("block_length", f"must be in [1, {limits.max_block_length}], got {block}")
     room = limits.max_len - len(prompt)
     if room <= 0:
         raise InvalidRequest("text" if which == "text" else "token_ids",

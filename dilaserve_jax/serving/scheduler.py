@@ -100,6 +100,11 @@ class Scheduler:
         self._memo: dict[tuple, float] = {}
 
     # --- latency ---
+    def set_latency_model(self, latency: LatencyModel) -> None:
+        """Replace the step-latency model (e.g. after measuring the instance at start-up)."""
+        self.latency = latency
+        self._memo.clear()
+
     def step_time(self, kind: StepKind, batch: int, req: Request) -> float:
         key = (kind, batch, req.canvas_length, req.block_length)
         t = self._memo.get(key)

@@ -1,0 +1,131 @@
+"""`python -m dilaserve_jax.serve --mesh 2x4`: the gRPC server over a mesh of model instances."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+
+from dilaserve_jax.mesh.distributed import add_distributed_args, distributed_config, init_distributed
+
+DEFAULT_PORT = 50051
+DEFAULT_METRICS_PORT = 9464
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dilaserve_jax.serve",
+        description="Serve a diffusion LM over gRPC on a mesh of model instances, scheduling denoising steps "
+                    "deadline-first and adapting each request's confidence threshold. Defaults work on a "
+                    "fresh machine: the embedded tiny model, loopback, CPU devices when there is no accelerator.")
+    p.add_argument("--mesh", default="2x4", help='instances x TP degree, e.g. "2x4", "8", "8x1", "4+2+1+1" (default 2x4)')
+    p.add_argument("--model", default="tiny", help="preset (tiny, test), LLaDA HF directory, or orbax training directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"gRPC port (default {DEFAULT_PORT}; 0 = any free port)")
+    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                   help=f"Prometheus metrics port (default {DEFAULT_METRICS_PORT}; -1 disables)")
+    p.add_argument("--policy", default="dilaserve", choices=("dilaserve", "edf-static", "fcfs-static"),
+                   help="scheduling policy (default dilaserve)")
+    p.add_argument("--default-slo-ms", type=float, default=10_000.0,
+                   help="deadline for calls with neither a gRPC deadline nor slo_ms (default 10000)")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests per instance before RESOURCE_EXHAUSTED")
+    p.add_argument("--slots", type=int, default=8, help="concurrent requests (decode slots) per instance (default 8)")
+    p.add_argument("--cache", default="dual", choices=("dual", "prefix", "none"), help="KV cache mode (default dual)")
+    p.add_argument("--attention", default="auto", choices=("auto", "xla", "pallas"),
+                   help="attention implementation; auto = Pallas on GPU/TPU, XLA on CPU")
+    p.add_argument("--tau-min", type=float, default=0.5, help="default quality floor (default 0.5)")
+    p.add_argument("--tau-max", type=float, default=1.0, help="default threshold ceiling (default 1.0)")
+    p.add_argument("--profile", help="step-latency profile JSON (from `python -m dilaserve_jax.bench.profile`); "
+                                     "measured at start-up when omitted")
+    p.add_argument("--auth-token", default=os.environ.get("DILASERVE_AUTH_TOKEN"),
+                   help="require 'authorization: Bearer TOKEN' on every call (or set DILASERVE_AUTH_TOKEN)")
+    p.add_argument("--tls-cert", help="PEM certificate chain for TLS (with --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key for TLS (with --tls-cert)")
+    p.add_argument("--compile-cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dilaserve_jax", "xla"),
+                   help="persistent XLA compilation cache directory, so restarts skip recompiling ('none' disables)")
+    p.add_argument("--grace-s", type=float, default=30.0, help="on SIGINT/SIGTERM, seconds to let calls finish (default 30)")
+    add_distributed_args(p)
+    return p
+
+
+def present_cpu_devices(mesh: str, processes: int) -> int:
+    """Ask for as many host (CPU) devices as the mesh needs, before JAX starts. Harmless with an
+    accelerator: the flag only shapes the CPU platform."""
+    from dilaserve_jax.mesh.spec import MeshSpec
+
+    needed = MeshSpec.parse(mesh).num_devices
+    per_process = -(-needed // max(1, processes))
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={per_process}".strip()
+    return per_process
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        dist = distributed_config(args)
+        cpu_devices = present_cpu_devices(args.mesh, dist.num_processes if dist else 1)
+        init_distributed(args)
+        import jax
+
+        from dilaserve_jax.frontend.server import ServerOptions
+        from dilaserve_jax.serving.build import ServeConfig, build_cluster
+
+        if args.compile_cache != "none":
+            jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        if jax.default_backend() == "cpu":
+            say(f"no accelerator found: presenting {cpu_devices} CPU devices for mesh {args.mesh}")
+        config = ServeConfig(model=args.model, mesh=args.mesh, policy=args.policy, slots=args.slots,
+                             cache_mode=args.cache, attention=args.attention, max_queue=args.max_queue,
+                             default_slo_ms=args.default_slo_ms, tau_min=args.tau_min, tau_max=args.tau_max,
+                             profile=args.profile)
+        options = ServerOptions(host=args.host, port=args.port,
+                                metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                                auth_token=args.auth_token, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                                grace_s=args.grace_s)
+        cluster = build_cluster(config, say)
+    except (ValueError, FileNotFoundError) as err:
+        say(f"error: {err}")
+        return 2
+    return asyncio.run(_serve(cluster, options, say))
+
+
+async def _serve(cluster, options, say) -> int:
+    from dilaserve_jax.frontend.server import start_server
+
+    running = await start_server(cluster, options)
+    scheme = "grpcs" if options.tls_cert else "grpc"
+    say(f"listening on {scheme}://{options.host}:{running.port} (health NOT_SERVING while compiling)"
+        + (f"; metrics on http://{options.host}:{running.metrics_port}/metrics" if running.metrics_port else ""))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    cluster.start()
+    warm = asyncio.ensure_future(asyncio.to_thread(cluster.warm_up))
+    done, _ = await asyncio.wait({warm, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    if warm in done:
+        warm.result()
+        await running.set_serving(True)
+        say(f"ready: serving {cluster.model_source} with policy {cluster.policy} on "
+            f"{options.host}:{running.port} (try: python -m dilaserve_jax.client --target "
+            f"{options.host}:{running.port} \"sort: 3142\")")
+        await stop.wait()
+    say(f"draining: letting in-flight calls finish (up to {options.grace_s:.0f} s)")
+    finished = await running.drain_and_stop()
+    cluster.stop()
+    say("stopped" if finished else "stopped with calls still in flight after the grace period")
+    if not warm.done():  # interrupted during compilation: leave without waiting for it
+        os._exit(0)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

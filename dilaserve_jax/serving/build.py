@@ -1,0 +1,183 @@
+"""Builds a real serving Cluster: model loaded into a mesh layout, one JaxRunner + Engine per instance.
+
+This is executor-side code (it touches JAX); the policy modules it wires together stay pure.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dilaserve_jax.decoding.compiled import CompiledSteps
+from dilaserve_jax.decoding.state import init_state, state_shardings
+from dilaserve_jax.frontend.validation import Limits
+from dilaserve_jax.kernels import describe_attention
+from dilaserve_jax.mesh import Layout, kv_cache_sharding, load_into_layout
+from dilaserve_jax.models.hf import abstract_params
+from dilaserve_jax.serving.cluster import Cluster, InstanceInfo
+from dilaserve_jax.serving.engine import Engine
+from dilaserve_jax.serving.latency import LatencyModel, Profile
+from dilaserve_jax.serving.runner import JaxRunner
+from dilaserve_jax.serving.scheduler import POLICIES, Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    model: str = "tiny"
+    mesh: str = "2x4"
+    policy: str = "dilaserve"
+    slots: int = 8  # per instance
+    length_buckets: tuple[int, ...] = ()  # default: half the model's max_len and max_len
+    block_buckets: tuple[int, ...] = (32,)  # smaller client blocks run padded in the 32 bucket
+    cache_mode: str = "dual"
+    attention: str = "auto"
+    param_dtype: str | None = None
+    max_queue: int = 256
+    default_slo_ms: float = 10_000.0
+    default_max_new_tokens: int = 64
+    default_block_length: int = 32
+    tau_min: float = 0.5
+    tau_max: float = 1.0
+    profile: str | None = None  # latency profile JSON; default: measured on the instances at start-up
+    allow_unused_devices: bool = False
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.slots < 1:
+            raise ValueError(f"slots must be >= 1, got {self.slots}")
+        if self.max_queue < 0 or self.default_slo_ms <= 0:
+            raise ValueError("max_queue must be >= 0 and the default SLO positive")
+        if self.default_block_length > max(self.block_buckets):
+            raise ValueError(f"default block length {self.default_block_length} exceeds the largest block "
+                             f"bucket {max(self.block_buckets)}")
+        if self.profile is not None and not Path(self.profile).is_file():
+            raise ValueError(f"latency profile {self.profile} does not exist")
+
+
+@dataclass
+class ServingModel:
+    """What the cluster serves: one params tree per local instance, swapped on reload."""
+
+    config: object
+    graphdef: object
+    tokenizer: object
+    source: str
+    per_instance: list = field(default_factory=list)
+
+
+def _length_buckets(cfg: ServeConfig, max_len: int) -> tuple[int, ...]:
+    buckets = cfg.length_buckets or (max_len // 2, max_len)
+    if max(buckets) > max_len:
+        raise ValueError(f"length bucket {max(buckets)} exceeds the model's max_len {max_len}")
+    return tuple(sorted(set(buckets)))
+
+
+def _state_sharding(instance, model_cfg, with_cache: bool):
+    template = init_state(model_cfg, 1, 1, with_cache=with_cache)
+    return state_shardings(template, kv_cache_sharding(instance, model_cfg), NamedSharding(instance.mesh, P()))
+
+
+def load_serving_model(cfg: ServeConfig, layout: Layout, source: str | None = None, step: int | None = None):
+    loaded, per_instance = load_into_layout(source or cfg.model, layout, param_dtype=cfg.param_dtype, step=step)
+    model_cfg = loaded.config.replace(attention=cfg.attention)
+    graphdef, _ = abstract_params(model_cfg)  # the graph carries the attention choice
+    return ServingModel(model_cfg, graphdef, loaded.tokenizer, loaded.source, per_instance)
+
+
+def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print) -> Cluster:
+    """Load, lay out and compile; returns a Cluster whose warm_up() measures the latency profile."""
+    layout = Layout.build(cfg.mesh, allow_unused=cfg.allow_unused_devices)
+    say(f"layout {layout} on {jax.device_count()} {jax.devices()[0].platform} device(s)")
+    t0 = time.perf_counter()
+    model = load_serving_model(cfg, layout)
+    layout.spec.check_model(model.config)
+    say(f"model {model.source} ({model.config.num_params / 1e6:.2f} M parameters) loaded in "
+        f"{time.perf_counter() - t0:.1f} s; attention: {describe_attention(model.config.attention)}")
+    lengths = _length_buckets(cfg, model.config.max_len)
+    compiled = CompiledSteps(model.config, model.graphdef)
+    runners, infos = [], []
+    for inst, params in zip(layout.instances, model.per_instance):
+        if params is None:  # another process's instance
+            continue
+        runner = JaxRunner(model.config, model.graphdef, params, num_slots=cfg.slots, length_buckets=lengths,
+                           block_buckets=cfg.block_buckets, cache_mode=cfg.cache_mode, tp_degree=inst.tp,
+                           state_sharding=_state_sharding(inst, model.config, cfg.cache_mode != "none"),
+                           compiled=compiled, warm_up=False, progress=False)
+        runners.append(runner)
+        infos.append(InstanceInfo(f"instance-{inst.index}", inst.tp, inst.device_ids))
+
+    latency_holder: dict = {}
+    if cfg.profile:
+        latency_holder["model"] = LatencyModel.from_profile(Profile.load(cfg.profile))
+    placeholder = latency_holder.get("model") or _provisional_latency(cfg, lengths)
+    engines = []
+    for runner, info in zip(runners, infos):
+        sched = Scheduler(SchedulerConfig(num_slots=cfg.slots, policy=cfg.policy, tp=info.tp_degree,
+                                          max_queue=cfg.max_queue), placeholder)
+        engines.append(Engine(runner, sched, name=info.name))
+
+    def warm_up() -> None:
+        for runner, info in zip(runners, infos):
+            t = time.perf_counter()
+            runner.decoder.warm_up_seconds = runner.compiled.warm_up(
+                runner.decoder.config.step_shapes(), runner.decoder.params, runner.decoder.state,
+                runner.decoder._placement, progress=True)
+            say(f"{info.name} (TP {info.tp_degree}, devices {list(info.device_ids)}): compiled and warmed "
+                f"{len(runner.decoder.config.step_shapes())} step shapes in {time.perf_counter() - t:.1f} s")
+        given = latency_holder.get("model")
+        missing = {i.tp_degree for i in infos} - set(given.tp_degrees if given else ())
+        if missing:
+            _measure_latency(runners, infos, cfg, lengths, engines, say, missing, given)
+
+    tok = model.tokenizer
+    limits = Limits(max_len=max(lengths), vocab_size=model.config.vocab_size,
+                    reserved_ids=frozenset({model.config.mask_id, model.config.pad_id}),
+                    default_max_new_tokens=cfg.default_max_new_tokens,
+                    default_block_length=cfg.default_block_length, default_slo_ms=cfg.default_slo_ms,
+                    default_tau_min=cfg.tau_min, default_tau_max=cfg.tau_max, max_block_length=max(cfg.block_buckets))
+
+    def reload(source: str, step: int | None) -> str:
+        new = load_serving_model(cfg, layout, source, step)
+        if jax.tree.structure(new.per_instance[0]) != jax.tree.structure(model.per_instance[0]) \
+                or new.config.replace(name=model.config.name) != model.config:
+            raise ValueError(f"{source} has a different architecture from the served model")
+        for runner, params in zip(runners, [p for p in new.per_instance if p is not None]):
+            runner.reload(params)
+        model.per_instance, model.source = new.per_instance, new.source
+        return new.source
+
+    return Cluster(engines, infos, layout=str(layout.spec), policy=cfg.policy, model_source=model.source,
+                   tokenizer=tok, limits=limits, reload_fn=reload, warmup_fn=warm_up)
+
+
+def _provisional_latency(cfg: ServeConfig, lengths) -> LatencyModel:
+    """Used only until the start-up measurement replaces it (no request is scheduled before)."""
+    from dilaserve_jax.serving.fake_runner import fake_profile
+
+    return LatencyModel.from_profile(fake_profile())
+
+
+def _measure_latency(runners, infos, cfg, lengths, engines, say, tps: set[int], given: LatencyModel | None) -> None:
+    """Profile one instance of each TP degree the given profile (if any) lacks, and install the fits."""
+    from dilaserve_jax.serving.profiling import measure_profile
+
+    t = time.perf_counter()
+    by_tp: dict[int, LatencyModel] = {tp: given for tp in {i.tp_degree for i in infos} - tps}
+    for runner, info in zip(runners, infos):
+        if info.tp_degree in by_tp:
+            continue
+        profile = measure_profile(runner, batches=runner.decoder.config.batch_buckets, lengths=lengths,
+                                  blocks=cfg.block_buckets, repeats=2, progress=False)
+        by_tp[info.tp_degree] = LatencyModel.from_profile(profile)
+    for engine, info in zip(engines, infos):
+        engine.scheduler.set_latency_model(by_tp[info.tp_degree])
+    say(f"measured step-latency profile for TP {sorted(tps)} in {time.perf_counter() - t:.1f} s")
