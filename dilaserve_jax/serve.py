@@ -116,7 +116,7 @@ async def _serve(cluster, options, say) -> int:
         await running.set_serving(True)
         say(f"ready: serving {cluster.model_source} with policy {cluster.policy} on "
             f"{options.host}:{running.port} (try: python -m dilaserve_jax.client --target "
-            f"{options.host}:{running.port} \"sort: 3142\")")
+            f"{options.host}:{running.port} \"sort 93142=\")")
         await stop.wait()
     say(f"draining: letting in-flight calls finish (up to {options.grace_s:.0f} s)")
     finished = await running.drain_and_stop()
