@@ -7,8 +7,10 @@ same process whose devices overlap its own the most (fewest bytes to move), devi
   whole array, `jax.device_put` copies (or slices on device and copies) buffers between devices;
 - when every new shard lies inside one old shard (TP 2 -> TP 4), each old shard is sliced on its
   device and the pieces copied out;
-- otherwise (TP 4 -> TP 2 or TP 1) the old instance first all-gathers the parameter on its own
-  devices (one compiled collective) and one full copy is then sliced and copied out.
+- when every new shard is a run of whole old shards (TP 4 -> TP 2 or TP 1), those shards are copied
+  to the new device and concatenated there;
+- otherwise (no such structure; not produced by the sharding table) the old instance all-gathers
+  the parameter on its own devices and one full copy is then sliced and copied out.
 `jax.device_put` alone would handle the last two by fetching the whole array to host memory.
 
 Old and new copies coexist until the caller drops the old ones, so a device briefly holds both (and
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -33,7 +36,7 @@ from dilaserve_jax.mesh.sharding import param_shardings
 @dataclass(frozen=True, slots=True)
 class ReshardReport:
     """What a reshard did. bytes_moved counts new-shard bytes that had to arrive on a device that did not
-    already hold that slice; bytes_gathered the extra all-gather traffic inside old instances (see the
+    already hold them; bytes_gathered the extra all-gather traffic inside old instances (see the
     module doc); bytes_total is the size of all new instances' shards together, replicas included."""
 
     old_spec: str
@@ -70,12 +73,19 @@ def _traffic(old: jax.Array, new_sharding) -> tuple[int, int, int]:
         size = _slice_bytes(old, index)
         total += size
         held = old_map.get(device)
-        if held is None or not all(_covers(h, s, dim) for h, s, dim in zip(held, index, old.shape)):
-            moved += size
+        moved += size - (0 if held is None else _overlap_bytes(old, held, index))
     gathered = 0
     if moved and _needs_gather(old, new_sharding):
         gathered = sum(old.nbytes - _slice_bytes(old, index) for index in old_map.values())
     return moved, gathered, total
+
+
+def _overlap_bytes(x: jax.Array, a, b) -> int:
+    size = x.dtype.itemsize
+    for dim, sa, sb in zip(x.shape, a, b):
+        (a0, a1, _), (b0, b1, _) = sa.indices(dim), sb.indices(dim)
+        size *= max(0, min(a1, b1) - max(a0, b0))
+    return size
 
 
 def _slice_bytes(x: jax.Array, index) -> int:
@@ -129,6 +139,31 @@ def _split_plan(old: jax.Array, new_sharding) -> list | None:
     return plan
 
 
+def _merge_plan(old: jax.Array, new_sharding) -> dict | None:
+    """When every new shard is a run of whole old shards along one axis (e.g. TP 4 -> TP 2, or split ->
+    replicated): {new device: (axis, old shard buffers in order)}; None otherwise."""
+    old_shards = old.addressable_shards
+    plan = {}
+    for device, want in new_sharding.devices_indices_map(old.shape).items():
+        want_n = _normalized(want, old.shape)
+        inside: dict[tuple, object] = {}  # distinct old slice -> one buffer holding it (same device preferred)
+        for s in old_shards:
+            if all(_covers(w, h, n) for w, h, n in zip(want, s.index, old.shape)):
+                idx = _normalized(s.index, old.shape)
+                if idx not in inside or s.device == device:
+                    inside[idx] = s.data
+        axes = {a for idx in inside for a in range(old.ndim) if idx[a] != want_n[a]}
+        if len(axes) != 1:
+            return None
+        (axis,) = axes
+        order = sorted(inside, key=lambda idx: idx[axis][0])
+        bounds = [want_n[axis][0]] + [idx[axis][1] for idx in order]
+        if [idx[axis][0] for idx in order] != bounds[:-1] or bounds[-1] != want_n[axis][1]:
+            return None
+        plan[device] = (axis, [inside[idx] for idx in order])
+    return plan
+
+
 @functools.lru_cache(maxsize=64)
 def _all_gather_on(mesh: Mesh):
     return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
@@ -142,7 +177,8 @@ def _mesh_of(sharding) -> Mesh:
 
 def _needs_gather(old: jax.Array, new_sharding) -> bool:
     return not (len(old.sharding.device_set) == 1 or old.sharding.is_fully_replicated
-                or _old_shards_match(old, new_sharding) or _split_plan(old, new_sharding) is not None)
+                or _old_shards_match(old, new_sharding) or _split_plan(old, new_sharding) is not None
+                or _merge_plan(old, new_sharding) is not None)
 
 
 def move(old: jax.Array, new_sharding) -> jax.Array:
@@ -154,10 +190,13 @@ def move(old: jax.Array, new_sharding) -> jax.Array:
         full = next((s.data for s in shards if s.device in new_sharding.device_set), shards[0].data)
         return jax.device_put(full, new_sharding)
     plan = _split_plan(old, new_sharding)
-    if plan is None:  # new shards span old ones: all-gather inside the old instance first
-        gathered = _all_gather_on(_mesh_of(old.sharding))(old)
-        return move(gathered, new_sharding)
-    pieces = {s.device: s.data for buffer, sub in plan for s in jax.device_put(buffer, sub).addressable_shards}
+    if plan is not None:
+        pieces = {s.device: s.data for buffer, sub in plan for s in jax.device_put(buffer, sub).addressable_shards}
+    elif (merge := _merge_plan(old, new_sharding)) is not None:  # copy the old shards over, join them there
+        pieces = {d: jnp.concatenate([jax.device_put(b, d) for b in buffers], axis=axis)
+                  for d, (axis, buffers) in merge.items()}
+    else:  # no regular structure: all-gather inside the old instance first
+        return move(_all_gather_on(_mesh_of(old.sharding))(old), new_sharding)
     return jax.make_array_from_single_device_arrays(old.shape, new_sharding, [pieces[d] for d in new_sharding.addressable_devices])
 
 

@@ -3,6 +3,7 @@ compiled steps are reused when a layout comes back."""
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 from conftest import host_copy
 
 from dilaserve_jax.decoding import reference
@@ -71,8 +72,8 @@ def test_reshard_cycle_is_bit_exact_and_device_to_device(model, cfg, request):
     assert to_replicas.bytes_total == 8 * model_bytes
     # Each TP-1 replica already held 1/4 of the split parameters, and all replicated ones (norms, GQA k/v).
     assert 0 < to_replicas.bytes_moved < to_replicas.bytes_total
-    assert to_replicas.bytes_gathered > 0  # TP 4 -> TP 1 all-gathers inside the old instances
-    assert to_mixed.bytes_gathered == 0  # from single-device replicas: plain slices and copies
+    # TP 4 -> TP 1 joins copied shards on the new device; nothing needs a full all-gather.
+    assert all(r.bytes_gathered == 0 for r in reports)
     assert 0 < back.bytes_moved < back.bytes_total  # TP4[0-3] is kept as it is
     assert all(r.seconds > 0 for r in reports)
     assert "2x4 -> 8x1" in str(to_replicas)
@@ -92,17 +93,42 @@ def test_finer_split_slices_on_device_without_gathering(model, cfg):
     want = host_copy(model[1])
     layout = Layout.build("4x2", config=cfg)
     per_instance = _in_layout(model[1], layout, cfg)
-    kv_kernel_bytes = want["blocks/0/k_proj/kernel"].nbytes
-    # TP 2 -> 4 -> 8: every new shard lies inside an old one. Only the k/v kernels gather at TP 2 -> 4, where
-    # 2 kv heads stop being split and become replicated (each of 2 old devices fetches the other half).
-    for spec, gathered in (("2x4", 2 * cfg.n_layers * 2 * kv_kernel_bytes), ("1x8", 0)):
+    # TP 2 -> 4 -> 8: every new shard lies inside an old one (the GQA k/v kernels, split at TP 2 and
+    # replicated at TP 4, are joined from their halves instead).
+    for spec in ("2x4", "1x8"):
         new_layout = Layout.build(spec, config=cfg)
         with _host_refused(None):
             per_instance, report = reshard(per_instance, layout, new_layout, cfg)
-        assert report.bytes_gathered == gathered and report.bytes_moved > 0
+        assert report.bytes_gathered == 0 and report.bytes_moved > 0
         _assert_placed(per_instance, new_layout, cfg)
         assert all(host_copy(p)[k].tobytes() == want[k].tobytes() for p in per_instance for k in want)
         layout = new_layout
+
+
+@pytest.mark.parametrize("old_spec, new_spec, path", [
+    (P(None, "model"), P("model", None), "gather"),  # no regular structure: all-gather fallback
+    (P(None, "model"), P(None, "model"), "merge"),  # 4 -> 2 devices: join pairs
+    (P(None, "model"), P(), "merge"),
+    (P("model", None), P("model", None), "split"),  # 2 -> 4 devices, as 4 -> 8 below
+])
+def test_move_never_goes_through_host(old_spec, new_spec, path):
+    from jax.sharding import Mesh, NamedSharding
+
+    from dilaserve_jax.mesh.reshard import _merge_plan, _needs_gather, _split_plan, move
+
+    devices = jax.devices()
+    n_old = 2 if path == "split" else 4
+    old_mesh, new_mesh = Mesh(np.array(devices[:n_old]), ("model",)), Mesh(np.array(devices[3:3 + 8 - n_old - 2]), ("model",))
+    value = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
+    old = jax.device_put(value, NamedSharding(old_mesh, old_spec))
+    target = NamedSharding(new_mesh, new_spec)
+    assert _needs_gather(old, target) == (path == "gather")
+    assert (_split_plan(old, target) is not None) == (path == "split")
+    assert (_merge_plan(old, target) is not None) == (path == "merge")
+    with _host_refused(None):
+        new = move(old, target)
+    assert new.sharding == target
+    np.testing.assert_array_equal(np.asarray(new), value)
 
 
 def test_reshard_rejects_mismatched_inputs(model, cfg):
