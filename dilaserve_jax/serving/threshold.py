@@ -19,9 +19,11 @@ place in the slot model and the scheduler runs it only on spare capacity.
 from __future__ import annotations
 
 import heapq
+import json
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Sequence
 
 from dilaserve_jax.serving.request import Request
 from dilaserve_jax.serving.types import StepKind
@@ -33,6 +35,36 @@ DEFAULT_PRIOR: Mapping[float, float] = {1.0: 1.0, 0.95: 1.6, 0.9: 2.0, 0.8: 2.6,
                                         0.5: 4.7, 0.4: 5.6, 0.3: 6.8}
 
 StepTime = Callable[[StepKind, int, Request], float]  # (kind, batch, request) -> seconds
+
+
+def prior_from_eval_json(path_or_rows: str | Path | Iterable[Mapping], tasks: Sequence[str] | None = None
+                         ) -> dict[float, float]:
+    """τ -> tokens committed per step from the rows of `python -m dilaserve_jax.tasks.eval --json`.
+
+    Per-task rows are pooled (total tokens / total steps: a task with longer answers weighs more,
+    as it does in serving); a file with only summary rows uses its `mean:all` rows. `tasks` keeps
+    only those tasks. Values are clamped to >= 1 (the argmax always commits).
+    """
+    rows = path_or_rows
+    if isinstance(rows, (str, Path)):
+        rows = json.loads(Path(rows).read_text())
+    rows = [dict(r) for r in rows]
+    per_task = [r for r in rows if r.get("kind") != "summary" and (tasks is None or r["task"] in tasks)]
+    if not per_task and tasks is None:
+        per_task = [{**r, "steps": 1.0, "n": 1} for r in rows if r.get("task") == "mean:all"]
+    if not per_task:
+        raise ValueError("no usable eval rows (need task, threshold, tokens_per_step, steps, n)")
+    tokens: dict[float, float] = {}
+    steps: dict[float, float] = {}
+    for r in per_task:
+        tau, w = float(r["threshold"]), float(r["steps"]) * float(r.get("n", 1))
+        if not 0.0 < tau <= 1.0 or w <= 0:
+            continue
+        tokens[tau] = tokens.get(tau, 0.0) + float(r["tokens_per_step"]) * w
+        steps[tau] = steps.get(tau, 0.0) + w
+    if not steps:
+        raise ValueError("eval rows hold no threshold with steps > 0")
+    return {tau: max(1.0, tokens[tau] / steps[tau]) for tau in sorted(steps, reverse=True)}
 
 
 @dataclass(frozen=True, slots=True)

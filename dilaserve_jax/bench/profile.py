@@ -1,0 +1,147 @@
+"""`python -m dilaserve_jax.bench.profile --out profile.json`: measure the step-latency profile.
+
+Compiles the real refresh and reuse steps of a model for every (batch, canvas length, block) of a
+grid, times them on this machine's devices (`serving.profiling.measure_profile`) and writes the
+profile JSON that `serving.latency.LatencyModel.from_profile` and `serve --profile` read. Then fits
+the latency model on a random part of the points, prints its error on the held-out rest per step
+kind, and the refresh / reuse time ratio at each canvas length. With `--analytic-out DIR` it also
+writes analytic roofline profiles (LLaDA-8B on A100 / H100 / H200; estimates, not measurements,
+labelled `"analytic": true`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dilaserve_jax.bench.profile",
+        description="Measure refresh/reuse step latencies of a model over a (batch, canvas length, block) grid, "
+                    "write the profile JSON, report the latency-model fit error on held-out points and the "
+                    "refresh/reuse ratio per length; optionally write analytic LLaDA-8B roofline profiles.")
+    p.add_argument("--out", required=True, help="where to write the measured profile JSON")
+    p.add_argument("--model", default="tiny", help="preset (tiny, test) or checkpoint directory (default tiny)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8], help="batch sizes (default 1 2 4 8)")
+    p.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help="canvas lengths (default: max_len/4, max_len/2, max_len of the model)")
+    p.add_argument("--blocks", type=int, nargs="+", default=[8, 16, 32], help="block lengths (default 8 16 32)")
+    p.add_argument("--tp", type=int, nargs="+", default=[1],
+                   help="TP degrees to profile, one instance each (default 1; on CPU, fake devices are presented)")
+    p.add_argument("--cache-mode", default="dual", choices=("none", "prefix", "dual"), help="KV cache mode (default dual)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per point; the median is kept (default 3)")
+    p.add_argument("--holdout", type=float, default=0.25, help="fraction of points held out of the fit (default 0.25)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the held-out split and the dummy prompts")
+    p.add_argument("--analytic-out", default=None, help="directory for analytic LLaDA-8B roofline profiles")
+    p.add_argument("--compile-cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dilaserve_jax", "xla"),
+                   help="persistent XLA compilation cache directory, or 'none'")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    return p
+
+
+def _present_cpu_devices(n: int) -> None:
+    """Fake CPU devices for TP > 1 (must happen before JAX initialises; harmless on accelerators)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n > 1 and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def _runner(model, tp: int, args, lengths, compiled):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from dilaserve_jax.decoding.state import init_state, state_shardings
+    from dilaserve_jax.mesh.layout import Instance
+    from dilaserve_jax.mesh.placement import place_params
+    from dilaserve_jax.mesh.sharding import kv_cache_sharding
+    from dilaserve_jax.serving.runner import JaxRunner
+
+    cfg = model.config
+    if tp > len(jax.devices()):
+        raise ValueError(f"TP {tp} needs {tp} devices; {len(jax.devices())} present")
+    params, sharding = model.params, None
+    if tp > 1:
+        inst = Instance.over(0, jax.devices()[:tp])
+        params = place_params(model.params, inst, cfg)
+        template = init_state(cfg, 1, 1, with_cache=args.cache_mode != "none")
+        sharding = state_shardings(template, kv_cache_sharding(inst, cfg), NamedSharding(inst.mesh, PartitionSpec()))
+    return JaxRunner(cfg, model.graphdef, params, num_slots=max(args.batches), length_buckets=lengths,
+                     block_buckets=tuple(args.blocks), cache_mode=args.cache_mode, tp_degree=tp,
+                     state_sharding=sharding, compiled=compiled, progress=not args.no_progress)
+
+
+def _ratio_lines(profile) -> list[str]:
+    from dilaserve_jax.serving.profiling import refresh_reuse_ratios
+
+    ratios = refresh_reuse_ratios(profile)
+    batches = sorted({b for row in ratios.values() for b in row})
+    lines = ["refresh / reuse step time (geometric mean over blocks):",
+             "  length " + "".join(f"{'B=' + str(b):>8}" for b in batches)]
+    for length, row in ratios.items():
+        lines.append(f"  {length:>6} " + "".join(f"{row[b]:>8.2f}" if b in row else f"{'-':>8}" for b in batches))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if min(args.tp) < 1 or min(args.batches) < 1 or args.repeats < 1 or not 0 <= args.holdout < 1:
+        say("error: --tp, --batches and --repeats must be positive, --holdout in [0, 1)")
+        return 2
+    _present_cpu_devices(max(args.tp))
+    import jax
+
+    from dilaserve_jax.decoding.compiled import CompiledSteps
+    from dilaserve_jax.models import load_model
+    from dilaserve_jax.serving.latency import Profile, fit
+    from dilaserve_jax.serving.profiling import measure_profile
+
+    if args.compile_cache != "none":
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    try:
+        model = load_model(args.model)
+        cfg = model.config
+        lengths = tuple(sorted(set(args.lengths or (cfg.max_len // 4, cfg.max_len // 2, cfg.max_len))))
+        compiled = CompiledSteps(cfg, model.graphdef)
+        points, labels = [], []
+        for tp in sorted(set(args.tp)):
+            t0 = time.perf_counter()
+            runner = _runner(model, tp, args, lengths, compiled)
+            say(f"TP {tp}: compiled {len(runner.decoder.config.step_shapes())} step shapes in "
+                f"{time.perf_counter() - t0:.1f} s")
+            prof = measure_profile(runner, batches=args.batches, lengths=lengths, blocks=args.blocks,
+                                   repeats=args.repeats, progress=not args.no_progress, model_name=cfg.name,
+                                   seed=args.seed)
+            points.extend(prof.points)
+            labels.append(prof)
+    except (ValueError, FileNotFoundError) as err:
+        say(f"error: {err}")
+        return 2
+    first = labels[0]
+    label = first.label if len(labels) == 1 else f"{first.label} (and TP {', '.join(map(str, sorted(set(args.tp))[1:]))})"
+    profile = Profile(label, False, first.device, first.model, tuple(points))
+    profile.save(args.out)
+    print(f"wrote {len(points)} measured points to {args.out}: {profile.label}")
+    report = fit(profile.points, args.holdout, args.seed).report
+    print(f"latency-model fit, {report}")
+    print("\n".join(_ratio_lines(profile)))
+    if args.analytic_out:
+        from dilaserve_jax.serving.roofline import CHIPS, analytic_profile
+
+        out = Path(args.analytic_out)
+        out.mkdir(parents=True, exist_ok=True)
+        for name in CHIPS:
+            ana = analytic_profile(name)
+            path = out / f"llada8b_{name}.analytic.json"
+            ana.save(path)
+            print(f"wrote {path} (ANALYTIC, not measured): {ana.label}; "
+                  f"fit {fit(ana.points, args.holdout, args.seed).report}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
