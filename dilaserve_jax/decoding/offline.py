@@ -54,11 +54,15 @@ class BatchStats:
         return self.committed / self.wall_seconds if self.wall_seconds else 0.0
 
 
-def generate_many(decoder: SlotDecoder, requests: Sequence[DecodeRequest], *,
+def generate_many(decoder: SlotDecoder, requests: Sequence[DecodeRequest], *, max_batch: int | None = None,
                   progress: bool = False) -> tuple[list[DecodeResult], BatchStats]:
-    """Decode every request to completion; results in request order."""
+    """Decode every request to completion, at most `max_batch` at a time (default: every slot);
+    results in request order."""
     from tqdm.auto import tqdm
 
+    width = decoder.num_slots if max_batch is None else max_batch
+    if not 1 <= width <= decoder.num_slots:
+        raise ValueError(f"max_batch must be in [1, {decoder.num_slots}], got {max_batch}")
     results: list[DecodeResult | None] = [None] * len(requests)
     pending = deque(enumerate(requests))
     active: dict[int, int] = {}  # slot -> request index
@@ -85,7 +89,7 @@ def generate_many(decoder: SlotDecoder, requests: Sequence[DecodeRequest], *,
                 bar.update(1)
 
     while pending or active:
-        for slot in range(decoder.num_slots):
+        for slot in range(width):
             if pending and slot not in active:
                 i, req = pending.popleft()
                 decoder.admit(slot, req.prompt, req.answer_length, req.block_length,

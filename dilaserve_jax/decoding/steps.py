@@ -7,7 +7,7 @@ commits by the threshold rule, and scatters canvas, K/V and block progress back.
 Padding: batch rows beyond the real slots carry slot index S (one past the last slot). Reads clamp
 it to a real slot (its results are computed and discarded) and every write uses mode="drop", so a
 padded row can never change the state. Padded query rows use position `shape.length`, which the
-model drops from its cache writes; state writes of such rows use the state's own length.
+model (and `write_kv`) drop from cache writes.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from dilaserve_jax.decoding.buckets import StepShape, StepType
 from dilaserve_jax.decoding.commit import compact_commits, propose, request_finished, select_commits
 from dilaserve_jax.decoding.state import DecodeState
 from dilaserve_jax.models.config import ModelConfig
-from dilaserve_jax.models.llada import LayerKV, forward
+from dilaserve_jax.models.llada import LayerKV, forward, write_kv
 
 
 class StepOutput(NamedTuple):
@@ -38,6 +38,18 @@ def _take_rows(x, slots):
     return jnp.take(x, slots, axis=0, mode="clip")
 
 
+def _write_rows(buf, slots, fresh):
+    """Write fresh [B, length, ...] over rows `slots` of buf [S, L, ...] from position 0.
+
+    Whole-row scatters (one index per slot) are several times faster on CPU than per-position
+    ones, so a shorter length bucket is completed with the rows' own tail first.
+    """
+    fresh = fresh.astype(buf.dtype)
+    if fresh.shape[1] < buf.shape[1]:
+        fresh = jnp.concatenate([fresh, _take_rows(buf, slots)[:, fresh.shape[1]:]], axis=1)
+    return buf.at[slots].set(fresh, mode="drop")
+
+
 def _sampling_keys(seed, steps):
     return jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(seed, steps)
 
@@ -46,7 +58,6 @@ def decode_step(graphdef, params, state: DecodeState, slots, taus, *, shape: Ste
                 cfg: ModelConfig) -> tuple[DecodeState, StepOutput]:
     """One step of `shape.step` over slots [B] (padding rows = state.num_slots) with thresholds taus [B]."""
     length, block, n_q = shape.length, shape.block, shape.queries
-    state_len = state.length
     canvas = _take_rows(state.canvas, slots)[:, :length]  # [B, length]
     prompt_len, answer_len = _take_rows(state.prompt_len, slots), _take_rows(state.answer_len, slots)
     block_start, block_len = _take_rows(state.block_start, slots), _take_rows(state.block_len, slots)
@@ -84,17 +95,17 @@ def decode_step(graphdef, params, state: DecodeState, slots, taus, *, shape: Ste
     max_conf = jnp.max(jnp.where(masked, confidence, -jnp.inf), axis=1)
     out_pos, out_tok, n_committed = compact_commits(commit, window, proposals)
 
-    # Scatter back; padded rows (slot index == S) are dropped by every write below.
-    slot_col = slots[:, None]
-    write_window = jnp.where(in_block, window, state_len)
-    new_canvas = state.canvas.at[slot_col, write_window].set(new_block_tokens, mode="drop")
+    # Write back whole rows (one index per slot): per-position scatters into the donated state make
+    # XLA CPU copy the whole buffer; row scatters update it in place. Padded rows (slot == S) drop.
+    new_canvas = _write_rows(state.canvas, slots, canvas)
     new_kv = state.kv
-    if shape.step is not StepType.FULL:
-        write_pos = jnp.where(positions < length, positions, state_len)
-        new_kv = tuple(
-            LayerKV(old.k.at[slot_col, write_pos].set(fresh.k.astype(old.k.dtype), mode="drop"),
-                    old.v.at[slot_col, write_pos].set(fresh.v.astype(old.v.dtype), mode="drop"))
-            for old, fresh in zip(state.kv, fresh_kv))
+    if shape.step is StepType.REFRESH:
+        new_kv = tuple(LayerKV(_write_rows(old.k, slots, fresh.k), _write_rows(old.v, slots, fresh.v))
+                       for old, fresh in zip(state.kv, fresh_kv))
+    elif shape.step is not StepType.FULL:
+        new_kv = tuple(LayerKV(_write_rows(old.k, slots, write_kv(rows.k, fresh.k, positions)),
+                               _write_rows(old.v, slots, write_kv(rows.v, fresh.v, positions)))
+                       for old, rows, fresh in zip(state.kv, cache, fresh_kv))
     next_block = jnp.where(block_done, block_start + block_len, block_start)
     new_state = state.replace(
         canvas=new_canvas, kv=new_kv,

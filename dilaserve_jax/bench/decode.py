@@ -1,0 +1,209 @@
+"""`python -m dilaserve_jax.bench.decode`: fast diffusion decoding throughput, quality and step costs.
+
+Decodes a held-out task sample with the slot decoder for every cache mode x threshold x batch size
+and prints tokens/s, steps per request, accuracy and the measured refresh / reuse step times. Then
+times single refresh and reuse steps of the tiny model and of a llada_8b-shaped model with two
+layers and random bf16 weights at canvas 1024, block 32: how the step-cost ratio grows with length.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+CACHES = ("none", "prefix", "dual")
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    model: str = "tiny"
+    per_task: int = 8
+    taus: tuple[float, ...] = (1.0, 0.9, 0.7, 0.5)
+    caches: tuple[str, ...] = CACHES
+    batches: tuple[int, ...] = (1, 16)
+    block_length: int = 32
+    seed: int = 0
+    big_model: bool = True
+
+    def __post_init__(self):
+        if not self.taus or not all(0.0 < t <= 1.0 for t in self.taus):
+            raise ValueError(f"taus must be in (0, 1], got {self.taus}")
+        if not set(self.caches) <= set(CACHES) or not self.caches:
+            raise ValueError(f"caches must be a non-empty subset of {CACHES}")
+        if not self.batches or min(self.batches) < 1 or self.per_task < 1 or self.block_length < 1:
+            raise ValueError("batches, per_task and block_length must be positive")
+
+
+def _sample(model, per_task: int, seed: int):
+    """Held-out problems of every task that fits the model's max_len: (problem, prompt tokens, answer length)."""
+    from dilaserve_jax.tasks.suite import TASKS, unique_problems
+
+    out = []
+    for name, task in TASKS.items():
+        for p in unique_problems(name, "heldout", per_task, seed):
+            toks = model.tokenizer.encode(p.prompt)
+            if len(toks) + task.gen_length <= model.config.max_len:
+                out.append((p, toks, task.gen_length))
+    if not out:
+        raise ValueError(f"no task problem fits max_len {model.config.max_len}")
+    return out
+
+
+def _length_buckets(cfg, sample) -> tuple[int, ...]:
+    longest = max(len(toks) + gen for _, toks, gen in sample)
+    return tuple(sorted({min(64, cfg.max_len), min(-(-longest // 64) * 64, cfg.max_len)}))
+
+
+def _decoder(model, cache: str, slots: int, lengths, block: int, progress: bool):
+    from dilaserve_jax.decoding.buckets import CacheMode
+    from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
+
+    return SlotDecoder(model.config, model.graphdef, model.params,
+                       DecoderConfig(slots, lengths, (block,), CacheMode(cache)), progress=progress)
+
+
+def run_grid(model, cfg: BenchConfig, progress: bool) -> list[dict]:
+    from dilaserve_jax.decoding.offline import DecodeRequest, generate_many
+    from dilaserve_jax.tasks.graders import grade
+
+    sample = _sample(model, cfg.per_task, cfg.seed)
+    lengths = _length_buckets(model.config, sample)
+    rows = []
+    for cache in cfg.caches:
+        decoder = _decoder(model, cache, max(cfg.batches), lengths, cfg.block_length, progress)
+        for batch in cfg.batches:
+            for tau in cfg.taus:
+                reqs = [DecodeRequest(tuple(toks), gen, cfg.block_length, tau) for _, toks, gen in sample]
+                results, stats = generate_many(decoder, reqs, max_batch=batch, progress=progress)
+                correct = sum(grade(p, model.tokenizer.decode(r.answer)) for (p, _, _), r in zip(sample, results))
+                refresh = statistics.mean(stats.refresh_seconds) if stats.refresh_seconds else float("nan")
+                reuse = statistics.mean(stats.reuse_seconds) if stats.reuse_seconds else float("nan")
+                rows.append({"cache": cache, "tau": tau, "batch": batch, "requests": len(reqs),
+                             "tokens_per_s": stats.tokens_per_second,
+                             "steps_per_request": sum(r.steps for r in results) / len(results),
+                             "accuracy": correct / len(results), "refresh_ms": 1e3 * refresh,
+                             "reuse_ms": 1e3 * reuse, "refresh_over_reuse": refresh / reuse if reuse else None,
+                             "refresh_steps": len(stats.refresh_seconds), "reuse_steps": len(stats.reuse_seconds),
+                             "compile_s": decoder.warm_up_seconds})
+    for row in rows:
+        base = next((r for r in rows if r["cache"] == "none" and r["tau"] == 1.0 and r["batch"] == row["batch"]), None)
+        row["speedup_vs_none_tau1"] = row["tokens_per_s"] / base["tokens_per_s"] if base else None
+        row["accuracy_delta_vs_none_tau1"] = row["accuracy"] - base["accuracy"] if base else None
+    return rows
+
+
+def time_steps(cfg, graphdef, params, *, batch: int, length: int, block: int, prompt_len: int,
+               repeats: int = 3, progress: bool = False) -> dict:
+    """Median wall time of one refresh step and one dual-cache reuse step at a fixed shape."""
+    from dilaserve_jax.decoding.buckets import CacheMode
+    from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
+
+    dec = SlotDecoder(cfg, graphdef, params, DecoderConfig(batch, (length,), (block,), CacheMode.DUAL),
+                      progress=progress)
+    slots = list(range(batch))
+    for s in slots:
+        dec.admit(s, [3 + (s + i) % 90 for i in range(prompt_len)], length - prompt_len, block)
+    refresh, reuse = [], []
+    for _ in range(repeats):  # τ = 1: one commit per step, the block never fills up here
+        t0 = time.perf_counter()
+        dec.step(True, slots, [1.0] * batch)
+        refresh.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        dec.step(False, slots, [1.0] * batch)
+        reuse.append(time.perf_counter() - t0)
+    r, u = statistics.median(refresh), statistics.median(reuse)
+    return {"model": cfg.name, "layers": cfg.n_layers, "batch": batch, "canvas": length, "block": block,
+            "refresh_ms": 1e3 * r, "reuse_ms": 1e3 * u, "refresh_over_reuse": r / u,
+            "compile_s": dec.warm_up_seconds}
+
+
+def big_model_steps(progress: bool) -> dict:
+    """llada_8b shape, 2 layers, random bf16 weights: one refresh and one reuse at canvas 1024, block 32."""
+    from flax import nnx
+
+    from dilaserve_jax.models.config import llada_8b
+    from dilaserve_jax.models.llada import init_model
+
+    cfg = llada_8b().replace(n_layers=2)
+    graphdef, params = nnx.split(init_model(cfg, seed=0))
+    return time_steps(cfg, graphdef, params, batch=1, length=1024, block=32, prompt_len=512, repeats=2,
+                      progress=progress)
+
+
+def format_tables(rows: list[dict], steps: list[dict]) -> str:
+    head = (f"{'cache':<7}{'tau':>5}{'batch':>6}{'tok/s':>9}{'speedup':>9}{'steps/req':>10}{'acc %':>7}"
+            f"{'refresh ms':>11}{'reuse ms':>9}{'ratio':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ratio = f"{r['refresh_over_reuse']:.1f}" if r["refresh_over_reuse"] else "-"
+        reuse = f"{r['reuse_ms']:.1f}" if r["reuse_steps"] else "-"
+        speed = f"{r['speedup_vs_none_tau1']:.2f}x" if r["speedup_vs_none_tau1"] else "-"
+        lines.append(f"{r['cache']:<7}{r['tau']:>5g}{r['batch']:>6}{r['tokens_per_s']:>9.0f}{speed:>9}"
+                     f"{r['steps_per_request']:>10.1f}{100 * r['accuracy']:>7.1f}{r['refresh_ms']:>11.1f}"
+                     f"{reuse:>9}{ratio:>7}")
+    if steps:
+        lines += ["", f"{'single steps':<26}{'batch':>6}{'canvas':>7}{'block':>6}{'refresh ms':>11}"
+                      f"{'reuse ms':>9}{'ratio':>7}"]
+        for s in steps:
+            name = f"{s['model']} ({s['layers']} layers)"
+            lines.append(f"{name:<26}{s['batch']:>6}{s['canvas']:>7}{s['block']:>6}{s['refresh_ms']:>11.1f}"
+                         f"{s['reuse_ms']:>9.1f}{s['refresh_over_reuse']:>7.1f}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = BenchConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m dilaserve_jax.bench.decode",
+        description="Benchmark fast diffusion decoding: for each KV-cache mode (none, prefix, dual), confidence "
+                    "threshold and batch size, decode a held-out task sample and report tokens/s, steps per "
+                    "request, accuracy and measured refresh/reuse step times; then time single refresh and "
+                    "reuse steps of the tiny model and of a 2-layer llada_8b-shaped model (canvas 1024).")
+    p.add_argument("--model", default=d.model, help="preset (tiny) or checkpoint directory (default tiny)")
+    p.add_argument("--per-task", type=int, default=d.per_task, help=f"held-out problems per task (default {d.per_task})")
+    p.add_argument("--taus", type=float, nargs="+", default=list(d.taus), help="thresholds (default 1.0 0.9 0.7 0.5)")
+    p.add_argument("--caches", nargs="+", default=list(d.caches), choices=CACHES, help="cache modes (default all)")
+    p.add_argument("--batches", type=int, nargs="+", default=list(d.batches), help="batch sizes (default 1 16)")
+    p.add_argument("--block-length", type=int, default=d.block_length, help="block length (default 32)")
+    p.add_argument("--seed", type=int, default=d.seed, help="problem sampling seed (default 0)")
+    p.add_argument("--no-big-model", action="store_true", help="skip the llada_8b-shaped step timing")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    progress = not args.no_progress
+    try:
+        cfg = BenchConfig(args.model, args.per_task, tuple(args.taus), tuple(args.caches), tuple(args.batches),
+                          args.block_length, args.seed, not args.no_big_model)
+        from dilaserve_jax.models import load_model
+
+        model = load_model(cfg.model)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    rows = run_grid(model, cfg, progress)
+    length = model.config.max_len
+    steps = [time_steps(model.config, model.graphdef, model.params, batch=b, length=length,
+                        block=min(cfg.block_length, length // 2), prompt_len=length // 4, progress=progress)
+             for b in cfg.batches]
+    if cfg.big_model:
+        steps.append(big_model_steps(progress))
+    if args.json:
+        print(json.dumps({"config": asdict(cfg), "model": model.source, "grid": rows, "steps": steps,
+                          "seconds": time.perf_counter() - t0}, indent=1))
+    else:
+        print(f"model {model.source}; {rows[0]['requests']} held-out requests per row; tok/s = committed tokens "
+              f"per wall second; speedup vs (none, tau 1) at the same batch")
+        print(format_tables(rows, steps))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
