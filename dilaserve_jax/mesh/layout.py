@@ -67,8 +67,10 @@ class Instance:
 
     def __str__(self) -> str:
         ids = self.device_ids
-        span = str(ids[0]) if len(ids) == 1 else f"{ids[0]}-{ids[-1]}" if ids == tuple(range(ids[0], ids[-1] + 1)) else ",".join(map(str, ids))
-        return f"TP{self.tp}[{span}]"
+        if len(ids) == 1:
+            return f"TP1[{ids[0]}]"
+        contiguous = ids == tuple(range(ids[0], ids[-1] + 1))
+        return f"TP{self.tp}[{ids[0]}-{ids[-1]}]" if contiguous else f"TP{self.tp}[{','.join(map(str, ids))}]"
 
 
 @dataclass(frozen=True, slots=True)
