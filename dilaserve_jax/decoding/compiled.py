@@ -37,9 +37,16 @@ def replicated_on(sharding) -> Any:
 
 
 def placement_key(params, state: DecodeState) -> tuple:
-    """Hashable identity of where params and state live (shapes excluded: those are in StepShape)."""
-    leaves = jax.tree.leaves(params) + jax.tree.leaves(state)
-    return tuple((x.shape, str(x.dtype), x.sharding) for x in leaves)
+    """Hashable identity of where params and state live (shapes excluded: those are in StepShape).
+
+    Take it from the state as placed at start: outputs may carry an equivalent sharding spelled
+    differently (trailing None dropped), which must not look like a new placement.
+    """
+    return leaf_placement(params) + leaf_placement(state)
+
+
+def leaf_placement(tree) -> tuple:
+    return tuple((x.shape, str(x.dtype), x.sharding) for x in jax.tree.leaves(tree))
 
 
 @dataclass

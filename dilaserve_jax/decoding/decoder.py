@@ -17,7 +17,7 @@ import numpy as np
 
 from dilaserve_jax.decoding.buckets import (CacheMode, StepShape, StepType, bucket_for, powers_of_two_up_to,
                                             prefix_query_buckets, shapes_for)
-from dilaserve_jax.decoding.compiled import ADMIT, CompiledSteps, placement_key, put_small, replicated_on
+from dilaserve_jax.decoding.compiled import ADMIT, CompiledSteps, leaf_placement, put_small, replicated_on
 from dilaserve_jax.decoding.state import DecodeState, init_state
 from dilaserve_jax.models.config import ModelConfig
 
@@ -100,7 +100,9 @@ class SlotDecoder:
                                              sharding=state_sharding)
         self.compiled = compiled if compiled is not None else CompiledSteps(cfg, graphdef)
         self._small = replicated_on(self.state.canvas.sharding)
-        self._placement = placement_key(params, self.state)
+        self._state_placement = leaf_placement(self.state)  # as placed; outputs keep an equivalent layout
+        self._placement = leaf_placement(params) + self._state_placement
+        self._progress, self._eager_compile = progress, warm_up
         self._slots: dict[int, _Slot] = {}
         self.warm_up_seconds = self.compiled.warm_up(config.step_shapes(), params, self.state, self._placement,
                                                      progress) if warm_up else 0.0
@@ -114,11 +116,16 @@ class SlotDecoder:
         return frozenset(self.state.canvas.sharding.device_set)
 
     def reload(self, params) -> None:
-        """Swap weights between steps (same structure; a new placement compiles once, then is cached)."""
+        """Swap weights between steps (same structure). Weights placed as before reuse every
+        executable; a new placement compiles all step shapes now, not at the next step."""
         if jax.tree.structure(params) != jax.tree.structure(self.params):
             raise ValueError("reload: params have a different structure from the current ones")
         self.params = params
-        self._placement = placement_key(params, self.state)
+        placement = leaf_placement(params) + self._state_placement
+        if placement != self._placement:
+            self._placement = placement
+            if self._eager_compile:
+                self.compiled.warm_up(self.config.step_shapes(), params, self.state, placement, self._progress)
 
     def admit(self, slot: int, prompt_tokens: Sequence[int], answer_length: int, block_length: int, *,
               temperature: float = 0.0, seed: int = 0) -> None:

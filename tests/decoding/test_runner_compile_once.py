@@ -106,3 +106,9 @@ def test_kv_cache_sharded_over_kv_heads_gives_the_same_tokens(sharp_model):
     assert sharded.decoder.state.kv[0].k.sharding.is_equivalent_to(kv_heads_split, 4)  # stays split after steps
     keys = {key[1] for key in plain.compiled.executables}
     assert len(keys) == 2  # one placement per device set, executables cached separately
+    built = plain.compiled.compile_count
+    sharded.release(0)
+    sharded.reload(on_mesh)  # same weights and layout after steps changed the state: nothing to build
+    sharded.admit(0, prompt, 16, 8)
+    sharded.step(StepKind.REFRESH, [0], [0.7])
+    assert plain.compiled.compile_count == built
