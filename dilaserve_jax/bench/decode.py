@@ -57,12 +57,12 @@ def _length_buckets(cfg, sample) -> tuple[int, ...]:
     return tuple(sorted({min(64, cfg.max_len), min(-(-longest // 64) * 64, cfg.max_len)}))
 
 
-def _decoder(model, cache: str, slots: int, lengths, block: int, progress: bool):
+def _decoder(model, cache: str, slots: int, lengths, blocks, progress: bool):
     from dilaserve_jax.decoding.buckets import CacheMode
     from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
 
     return SlotDecoder(model.config, model.graphdef, model.params,
-                       DecoderConfig(slots, lengths, (block,), CacheMode(cache)), progress=progress)
+                       DecoderConfig(slots, lengths, tuple(blocks), CacheMode(cache)), progress=progress)
 
 
 def run_grid(model, cfg: BenchConfig, progress: bool) -> list[dict]:
@@ -71,9 +71,10 @@ def run_grid(model, cfg: BenchConfig, progress: bool) -> list[dict]:
 
     sample = _sample(model, cfg.per_task, cfg.seed)
     lengths = _length_buckets(model.config, sample)
+    blocks = {min(gen, cfg.block_length) for _, _, gen in sample}  # answers shorter than a block
     rows = []
     for cache in cfg.caches:
-        decoder = _decoder(model, cache, max(cfg.batches), lengths, cfg.block_length, progress)
+        decoder = _decoder(model, cache, max(cfg.batches), lengths, blocks, progress)
         for batch in cfg.batches:
             for tau in cfg.taus:
                 reqs = [DecodeRequest(tuple(toks), gen, cfg.block_length, tau) for _, toks, gen in sample]

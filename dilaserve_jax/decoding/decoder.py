@@ -142,7 +142,8 @@ class SlotDecoder:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         total = len(prompt) + answer_length
         length = bucket_for(total, self.config.length_buckets)
-        block = bucket_for(block_length, self.config.block_buckets)
+        # A block never extends past the answer: a short answer takes a smaller block bucket if one exists.
+        block = bucket_for(min(block_length, answer_length), self.config.block_buckets)
         if block > length:
             raise ValueError(f"block bucket {block} is longer than the canvas bucket {length}")
         row = np.full((self.config.max_length,), self.cfg.pad_id, np.int32)
