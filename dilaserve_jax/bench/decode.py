@@ -80,13 +80,14 @@ def run_grid(model, cfg: BenchConfig, progress: bool) -> list[dict]:
                 reqs = [DecodeRequest(tuple(toks), gen, cfg.block_length, tau) for _, toks, gen in sample]
                 results, stats = generate_many(decoder, reqs, max_batch=batch, progress=progress)
                 correct = sum(grade(p, model.tokenizer.decode(r.answer)) for (p, _, _), r in zip(sample, results))
-                refresh = statistics.mean(stats.refresh_seconds) if stats.refresh_seconds else float("nan")
-                reuse = statistics.mean(stats.reuse_seconds) if stats.reuse_seconds else float("nan")
+                refresh = statistics.mean(stats.refresh_seconds) if stats.refresh_seconds else None
+                reuse = statistics.mean(stats.reuse_seconds) if stats.reuse_seconds else None
                 rows.append({"cache": cache, "tau": tau, "batch": batch, "requests": len(reqs),
                              "tokens_per_s": stats.tokens_per_second,
                              "steps_per_request": sum(r.steps for r in results) / len(results),
-                             "accuracy": correct / len(results), "refresh_ms": 1e3 * refresh,
-                             "reuse_ms": 1e3 * reuse, "refresh_over_reuse": refresh / reuse if reuse else None,
+                             "accuracy": correct / len(results), "refresh_ms": 1e3 * refresh if refresh else None,
+                             "reuse_ms": 1e3 * reuse if reuse else None,
+                             "refresh_over_reuse": refresh / reuse if refresh and reuse else None,
                              "refresh_steps": len(stats.refresh_seconds), "reuse_steps": len(stats.reuse_seconds),
                              "compile_s": decoder.warm_up_seconds})
     for row in rows:
@@ -140,10 +141,11 @@ def format_tables(rows: list[dict], steps: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         ratio = f"{r['refresh_over_reuse']:.1f}" if r["refresh_over_reuse"] else "-"
-        reuse = f"{r['reuse_ms']:.1f}" if r["reuse_steps"] else "-"
+        reuse = f"{r['reuse_ms']:.1f}" if r["reuse_ms"] else "-"
+        refresh = f"{r['refresh_ms']:.1f}" if r["refresh_ms"] else "-"
         speed = f"{r['speedup_vs_none_tau1']:.2f}x" if r["speedup_vs_none_tau1"] else "-"
         lines.append(f"{r['cache']:<7}{r['tau']:>5g}{r['batch']:>6}{r['tokens_per_s']:>9.0f}{speed:>9}"
-                     f"{r['steps_per_request']:>10.1f}{100 * r['accuracy']:>7.1f}{r['refresh_ms']:>11.1f}"
+                     f"{r['steps_per_request']:>10.1f}{100 * r['accuracy']:>7.1f}{refresh:>11}"
                      f"{reuse:>9}{ratio:>7}")
     if steps:
         lines += ["", f"{'single steps':<26}{'batch':>6}{'canvas':>7}{'block':>6}{'refresh ms':>11}"
