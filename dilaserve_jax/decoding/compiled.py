@@ -114,7 +114,10 @@ class CompiledSteps:
                                 f"{shape.step.value} b{shape.batch} L{shape.length} blk{shape.block} q{shape.queries}")
             self.get(shape, params, state, placement)
         bar.close()
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        if progress and todo:
+            print(f"compiled {len(todo)} decode-step executables in {seconds:.1f} s", file=sys.stderr)
+        return seconds
 
 
 def put_small(values, dtype, sharding) -> jax.Array:
