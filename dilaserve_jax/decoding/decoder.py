@@ -18,7 +18,7 @@ import numpy as np
 from dilaserve_jax.decoding.buckets import (CacheMode, StepShape, StepType, bucket_for, powers_of_two_up_to,
                                             prefix_query_buckets, shapes_for)
 from dilaserve_jax.decoding.compiled import ADMIT, CompiledSteps, leaf_placement, put_small, replicated_on
-from dilaserve_jax.decoding.state import DecodeState, init_state
+from dilaserve_jax.decoding.state import DecodeState, init_state, slots_for_budget
 from dilaserve_jax.models.config import ModelConfig
 
 
@@ -43,6 +43,17 @@ class DecoderConfig:
             raise ValueError(f"block_buckets must be positive and non-empty, got {self.block_buckets}")
         if self.block_buckets[0] > self.length_buckets[-1]:
             raise ValueError("the smallest block bucket exceeds every length bucket")
+
+    @classmethod
+    def from_budget(cls, model: ModelConfig, budget_bytes: int, length_buckets: Sequence[int],
+                    block_buckets: Sequence[int] = (32,), cache_mode: CacheMode | str = CacheMode.DUAL,
+                    max_slots: int | None = None) -> "DecoderConfig":
+        """As many slots of the largest length bucket as `budget_bytes` of device memory holds."""
+        mode = CacheMode(cache_mode)
+        n = slots_for_budget(model, max(length_buckets), budget_bytes, with_cache=mode is not CacheMode.NONE)
+        if n < 1:
+            raise ValueError(f"{budget_bytes} bytes hold no slot of length {max(length_buckets)}")
+        return cls(min(n, max_slots) if max_slots else n, tuple(length_buckets), tuple(block_buckets), mode)
 
     @property
     def batch_buckets(self) -> tuple[int, ...]:

@@ -67,3 +67,11 @@ def test_step_shape_and_config_validation():
         DecoderConfig(2, (64,), cache_mode="lru")
     cfg = DecoderConfig(6, (128, 64, 64), (16,), "prefix")
     assert cfg.length_buckets == (64, 128) and cfg.batch_buckets == (1, 2, 4, 6) and cfg.cache_mode is CacheMode.PREFIX
+
+
+def test_decoder_config_from_a_memory_budget():
+    cfg = DecoderConfig.from_budget(tiny(), 64 * MiB, (256,), (32,), "dual")
+    assert cfg.num_slots == 64 * MiB // bytes_per_slot(tiny(), 256)
+    assert DecoderConfig.from_budget(tiny(), 64 * MiB, (256,), max_slots=16).num_slots == 16
+    with pytest.raises(ValueError):
+        DecoderConfig.from_budget(llada_8b(), MiB, (1024,))
