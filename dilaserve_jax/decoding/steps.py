@@ -103,9 +103,9 @@ def decode_step(graphdef, params, state: DecodeState, slots, taus, *, shape: Ste
         new_kv = tuple(LayerKV(_write_rows(old.k, slots, fresh.k), _write_rows(old.v, slots, fresh.v))
                        for old, fresh in zip(state.kv, fresh_kv))
     elif shape.step is not StepType.FULL:
-        new_kv = tuple(LayerKV(_write_rows(old.k, slots, write_kv(rows.k, fresh.k, positions)),
-                               _write_rows(old.v, slots, write_kv(rows.v, fresh.v, positions)))
-                       for old, rows, fresh in zip(state.kv, cache, fresh_kv))
+        new_kv = tuple(LayerKV(_write_rows(old.k, slots, write_kv(cached.k, fresh.k, positions)),
+                               _write_rows(old.v, slots, write_kv(cached.v, fresh.v, positions)))
+                       for old, cached, fresh in zip(state.kv, cache, fresh_kv))
     next_block = jnp.where(block_done, block_start + block_len, block_start)
     new_state = state.replace(
         canvas=new_canvas, kv=new_kv,
