@@ -122,6 +122,9 @@ class Engine:
         """Called on the engine thread after every step (measurement, metrics)."""
         self._hooks.append(hook)
 
+    def remove_step_hook(self, hook: StepHook) -> None:
+        self._hooks.remove(hook)
+
     def snapshot(self) -> LoadSnapshot:
         with self._cv:
             return self._snapshot
