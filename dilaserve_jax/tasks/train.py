@@ -97,8 +97,8 @@ class _Checkpoints:
         self.state.close()
 
 
-def train(cfg: TrainConfig, command: str = "", progress_bar: bool = True) -> dict:
-    """Train (or resume) and return the training record."""
+def train(cfg: TrainConfig, command: str = "", progress_bar: bool = True, export_only: bool = False) -> dict:
+    """Train (or resume) and return the training record; export_only: export the latest step as is."""
     import jax
     import numpy as np
     from flax import nnx
@@ -118,7 +118,7 @@ def train(cfg: TrainConfig, command: str = "", progress_bar: bool = True) -> dic
     opt_state = optimizer.init(params)
     step_fn = make_train_step(graphdef, optimizer, mask_id=model_cfg.mask_id, eps=cfg.eps)
     ckpt = _Checkpoints(out)
-    start, progress = 0, {"wall_seconds": 0.0, "losses": []}
+    start, progress = 0, {"wall_seconds": 0.0, "losses": [], "commands": []}
     latest = ckpt.latest()
     if latest is not None:
         params, opt_state, progress = ckpt.restore(latest, params, opt_state)
@@ -129,11 +129,15 @@ def train(cfg: TrainConfig, command: str = "", progress_bar: bool = True) -> dic
         next(data)
     base_key = jax.random.key(cfg.seed)
     losses: list[float] = list(progress["losses"])
+    end = start if export_only else cfg.steps
+    commands = list(progress.get("commands", []))
+    if end > start:
+        commands.append({"command": command, "from_step": start, "to_step": end})
     wall = float(progress["wall_seconds"])
     bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", disable=not progress_bar,
                file=sys.stderr, dynamic_ncols=True)
     t_seg, tokens_seg, ema = time.perf_counter(), 0, None
-    for step in range(start, cfg.steps):
+    for step in range(start, end):
         batch = next(data)
         params, opt_state, loss = step_fn(params, opt_state, jax.random.fold_in(base_key, step),
                                           batch.tokens, batch.answer_mask, batch.valid_len)
@@ -147,15 +151,15 @@ def train(cfg: TrainConfig, command: str = "", progress_bar: bool = True) -> dic
         bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tokens_seg / max(now - t_seg, 1e-9):.0f}")
         bar.update(1)
         done = step + 1
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+        if done % cfg.checkpoint_every == 0 or done == end:
             wall += now - t_seg
             t_seg, tokens_seg = time.perf_counter(), 0
-            ckpt.save(done, params, opt_state, {"wall_seconds": wall, "losses": losses})
+            ckpt.save(done, params, opt_state, {"wall_seconds": wall, "losses": losses, "commands": commands})
     bar.close()
     ckpt.close()
     tail = losses[-50:]
     record = {
-        "command": command, "seed": cfg.seed, "steps": cfg.steps, "resumed_from": start,
+        "command": command, "history": commands, "seed": cfg.seed, "steps": end, "resumed_from": start,
         "final_loss": round(float(np.mean(tail)), 4) if tail else None,
         "final_loss_window": len(tail), "wall_seconds": round(wall, 1),
         "config": asdict(cfg), "model": asdict(model_cfg),
@@ -164,6 +168,12 @@ def train(cfg: TrainConfig, command: str = "", progress_bar: bool = True) -> dic
     if cfg.export:
         export(cfg.export, model_cfg, params, record)
     return record
+
+
+def _segments(history: list[dict]):
+    """(command entry, last step it actually ran): a resume from an earlier step cuts the one before."""
+    ends = [h["from_step"] for h in history[1:]] + [history[-1]["to_step"] if history else 0]
+    return [(h, min(h["to_step"], e)) for h, e in zip(history, ends)]
 
 
 def export(directory: str | Path, model_cfg, params, record: dict) -> None:
@@ -181,8 +191,8 @@ def export(directory: str | Path, model_cfg, params, record: dict) -> None:
     c = record["config"]
     (directory / "TRAINING.md").write_text(
         "# How the embedded tiny model was trained\n\n"
-        f"- command: `{record['command']}`\n"
-        f"- seed {record['seed']}, {record['steps']} steps of ~{c['batch_tokens']} tokens, "
+        + "".join(f"- steps {h['from_step']}-{end}: `{h['command']}`\n" for h, end in _segments(record["history"]))
+        + f"- seed {record['seed']}, {record['steps']} steps of ~{c['batch_tokens']} tokens, "
         f"AdamW lr {c['lr']} (warm-up {c['warmup']}, cosine to 10%), clip {c['clip']}, "
         f"compute {c['compute_dtype']}\n"
         f"- task weights: {c['weights']}\n"
@@ -218,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export", default=None, metavar="DIR",
                    help="write the final model as a bf16 LLaDA checkpoint + TRAINING.json/md to DIR "
                         "(dilaserve_jax/assets/tiny replaces the embedded model)")
+    p.add_argument("--export-only", action="store_true",
+                   help="do not train: export the latest checkpoint of --out to --export")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -235,7 +247,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     command = "python -m dilaserve_jax.tasks.train " + shlex.join(argv)
-    record = train(cfg, command, progress_bar=not args.no_progress)
+    if args.export_only and not args.export:
+        print("error: --export-only needs --export DIR", file=sys.stderr)
+        return 2
+    record = train(cfg, command, progress_bar=not args.no_progress, export_only=args.export_only)
     print(json.dumps({k: record[k] for k in ("steps", "final_loss", "wall_seconds")}))
     return 0
 

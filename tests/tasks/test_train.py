@@ -32,6 +32,7 @@ def test_masking_never_touches_the_prompt_or_padding():
     assert ((p >= 1e-3) & (p <= 1.0)).all() and (p == p[:, :1]).all()  # one t per row
 
 
+@pytest.mark.slow  # ~5-20 s on 2 CPU cores (two compilations)
 def test_train_steps_lower_the_loss_on_a_fixed_batch():
     cfg = test_preset()
     graphdef, params = nnx.split(init_model(cfg, 0))
@@ -74,3 +75,7 @@ def test_train_command_checkpoints_resumes_and_exports(tmp_path, capsys):
     assert load_model(out).source.endswith("@2")  # the serving reload path: model_config.json + orbax steps
     exported = load_model(export)
     assert exported.config.n_layers == test_preset().n_layers
+    again = tmp_path / "again"
+    assert main(common + ["--steps", "2", "--export", str(again), "--export-only"]) == 0  # no training
+    assert json.loads((again / "TRAINING.json").read_text())["steps"] == 2
+    assert main(common + ["--export-only"]) == 2  # needs --export
