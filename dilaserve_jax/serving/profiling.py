@@ -4,7 +4,8 @@
 the grid batch × canvas length × block length. For every grid point it admits dummy requests into
 free slots (prompt + answer = the canvas length), runs the shape once untimed (compiles it if the
 decoder was not warmed up, and warms caches), then takes the median of `repeats` timed steps, each
-waited for with `jax.block_until_ready` on the decode state. A timed step goes through the decoder's
+waited for with `jax.block_until_ready` on the decode state. Requests are admitted only when needed
+(a refresh may run at any step), which keeps a small grid to seconds. A timed step goes through the decoder's
 public `step` (host dispatch and the copy of the per-row outputs included): that is what a serving
 step costs. τ = 1.0 commits one token per step, so one admission serves several reuse steps; a slot
 whose block or request finishes (an EOS at the first answer position) is re-admitted with another
@@ -59,7 +60,7 @@ class _Dummies:
         self.dec, self.slots, self.answer, self.block = dec, slots, answer, block
         self.prompt_len = length - answer
         self.rng = np.random.default_rng(seed)
-        self.reuse_ready = False
+        self.alive = self.reuse_ready = False  # alive: no slot's request has finished
 
     def admit(self) -> None:
         for s in self.slots:
@@ -67,7 +68,7 @@ class _Dummies:
                 self.dec.release(s)
             prompt = self.rng.choice(self.ids, size=self.prompt_len).tolist()
             self.dec.admit(s, prompt, self.answer, self.block)
-        self.reuse_ready = False
+        self.alive, self.reuse_ready = True, False
 
     def step(self, refresh: bool) -> float:
         """One timed step over all slots; tracks whether a reuse step may follow."""
@@ -76,8 +77,13 @@ class _Dummies:
         out = self.dec.step(refresh, self.slots, taus)
         jax.block_until_ready(self.dec.state)
         dt = time.perf_counter() - t0
-        self.reuse_ready = not any(r.block_finished or r.request_finished for r in out)
+        self.alive = not any(r.request_finished for r in out)
+        self.reuse_ready = self.alive and not any(r.block_finished for r in out)
         return dt
+
+    def prepare_refresh(self) -> None:
+        if not self.alive:  # a refresh may run at any step of a live request: admit only when needed
+            self.admit()
 
     def prepare_reuse(self) -> None:
         for _ in range(_MAX_ATTEMPTS):
@@ -133,7 +139,7 @@ def measure_profile(runner_or_decoder, *, batches: Sequence[int], lengths: Seque
         try:
             refresh = []
             for r in range(repeats + 1):  # the first run warms (or compiles) the shape
-                d.admit()
+                d.prepare_refresh()
                 t = d.step(refresh=True)
                 if r:
                     refresh.append(t)
