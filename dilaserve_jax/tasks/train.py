@@ -28,7 +28,7 @@ class TrainConfig:
     warmup: int = 40
     weight_decay: float = 0.01
     clip: float = 1.0
-    eps: float = 1e-3
+    eps: float = 0.05  # smallest mask probability: bounds the 1/p loss weights at 20
     seed: int = 0
     compute_dtype: str = "bfloat16"
     checkpoint_every: int = 100
@@ -215,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-tokens", type=int, default=d.batch_tokens,
                    help=f"tokens per batch incl. padding (default {d.batch_tokens})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
+    p.add_argument("--eps", type=float, default=d.eps, help=f"smallest mask probability (default {d.eps})")
     p.add_argument("--warmup", type=int, default=d.warmup, help=f"warm-up steps (default {d.warmup})")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--clip", type=float, default=d.clip, help="global gradient-norm clip")
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = TrainConfig(
-            out=args.out, model=args.model, steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr,
+            out=args.out, model=args.model, steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, eps=args.eps,
             warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip, seed=args.seed,
             compute_dtype=args.compute_dtype, checkpoint_every=args.checkpoint_every,
             weights=json.loads(args.weights) if args.weights else dict(DEFAULT_WEIGHTS), export=args.export)
