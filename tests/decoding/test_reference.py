@@ -1,23 +1,11 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from dilaserve_jax.decoding import reference
 from dilaserve_jax.decoding.reference import commit_mask, generate, is_finished
-from dilaserve_jax.models import init_model, test
 
 PROMPT = [ord(c) for c in "sort 3142"]
-
-
-@pytest.fixture(scope="module")
-def sharp_model():
-    """The test model with a scaled-up LM head: confident, varied proposals, so τ < 1 commits several."""
-    cfg = test()
-    model = init_model(cfg, seed=0)
-    model.lm_head.kernel[...] = model.lm_head.kernel[...] * 12.0
-    graphdef, params = nnx.split(model)
-    return cfg, graphdef, params
 
 
 def test_tau_one_commits_exactly_one_token_per_step(sharp_model):
