@@ -4,10 +4,6 @@ LLaDA SFT: the prompt is never masked; each answer-area token (EOS padding inclu
 independently with probability p = (1 - eps) t + eps, t ~ U(0, 1) per row; the loss is the
 cross-entropy on masked positions weighted by 1/p, summed per row, divided by the row's answer
 area length and averaged over rows.
-
-The rows' t are stratified (one draw in each of B equal slices of [0, 1), shuffled): the same
-distribution per row, but a small batch no longer happens to miss whole ranges of mask rates,
-which at 1/p weights makes the gradient noisy. eps bounds the weights at 1/eps.
 """
 from __future__ import annotations
 
@@ -22,10 +18,8 @@ from dilaserve_jax.models.llada import canvas_positions, forward
 
 def mask_batch(key, tokens, answer_mask, mask_id: int, eps: float):
     """(noisy tokens, masked positions, per-position mask probability)."""
-    k_t, k_u, k_perm = jax.random.split(key, 3)
-    rows = tokens.shape[0]
-    strata = jax.random.permutation(k_perm, rows)
-    t = ((strata + jax.random.uniform(k_t, (rows,))) / rows)[:, None]
+    k_t, k_u = jax.random.split(key)
+    t = jax.random.uniform(k_t, (tokens.shape[0], 1))
     p_mask = jnp.broadcast_to((1.0 - eps) * t + eps, tokens.shape)
     masked = answer_mask & (jax.random.uniform(k_u, tokens.shape) < p_mask)
     return jnp.where(masked, mask_id, tokens), masked, p_mask

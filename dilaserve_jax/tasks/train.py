@@ -28,7 +28,7 @@ class TrainConfig:
     warmup: int = 40
     weight_decay: float = 0.01
     clip: float = 1.0
-    eps: float = 0.05  # smallest mask probability: bounds the 1/p loss weights at 20
+    eps: float = 1e-3  # smallest mask probability (bounds the 1/p loss weights)
     seed: int = 0
     compute_dtype: str = "bfloat16"
     checkpoint_every: int = 100
