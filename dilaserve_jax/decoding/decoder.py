@@ -118,6 +118,14 @@ class SlotDecoder:
         self.warm_up_seconds = self.compiled.warm_up(config.step_shapes(), params, self.state, self._placement,
                                                      progress) if warm_up else 0.0
 
+    def warm_up(self, progress: bool | None = None) -> float:
+        """Compile (or fetch) every step shape for the current placement now; returns seconds.
+        For callers that construct with warm_up=False to do this later (e.g. after a server is up)."""
+        self._eager_compile = True
+        self.warm_up_seconds = self.compiled.warm_up(self.config.step_shapes(), self.params, self.state,
+                                                     self._placement, self._progress if progress is None else progress)
+        return self.warm_up_seconds
+
     @property
     def num_slots(self) -> int:
         return self.config.num_slots

@@ -128,9 +128,7 @@ def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print) -> Clust
     def warm_up() -> None:
         for runner, info in zip(runners, infos):
             t = time.perf_counter()
-            runner.decoder.warm_up_seconds = runner.compiled.warm_up(
-                runner.decoder.config.step_shapes(), runner.decoder.params, runner.decoder.state,
-                runner.decoder._placement, progress=True)
+            runner.warm_up(progress=True)
             say(f"{info.name} (TP {info.tp_degree}, devices {list(info.device_ids)}): compiled and warmed "
                 f"{len(runner.decoder.config.step_shapes())} step shapes in {time.perf_counter() - t:.1f} s")
         given = latency_holder.get("model")

@@ -43,6 +43,10 @@ class JaxRunner:
     def warm_up_seconds(self) -> float:
         return self.decoder.warm_up_seconds
 
+    def warm_up(self, progress: bool | None = None) -> float:
+        """Compile every step shape now (when constructed with warm_up=False); returns seconds."""
+        return self.decoder.warm_up(progress)
+
     def admit(self, slot: int, prompt_tokens: Sequence[int], answer_length: int, block_length: int, *,
               temperature: float = 0.0, seed: int = 0) -> None:
         self.decoder.admit(slot, prompt_tokens, answer_length, block_length, temperature=temperature, seed=seed)
