@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tau-max", type=float, default=1.0, help="default threshold ceiling (default 1.0)")
     p.add_argument("--profile", help="step-latency profile JSON (from `python -m dilaserve_jax.bench.profile`); "
                                      "measured at start-up when omitted")
+    p.add_argument("--prior", help="eval rows (`python -m dilaserve_jax.tasks.eval --json`) for the threshold "
+                                   "controller's tokens-per-step prior; default: eval*.json beside the weights")
     p.add_argument("--auth-token", default=os.environ.get("DILASERVE_AUTH_TOKEN"),
                    help="require 'authorization: Bearer TOKEN' on every call (or set DILASERVE_AUTH_TOKEN)")
     p.add_argument("--tls-cert", help="PEM certificate chain for TLS (with --tls-key)")
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         config = ServeConfig(model=args.model, mesh=args.mesh, policy=args.policy, slots=args.slots,
                              cache_mode=args.cache, attention=args.attention, max_queue=args.max_queue,
                              default_slo_ms=args.default_slo_ms, tau_min=args.tau_min, tau_max=args.tau_max,
-                             profile=args.profile)
+                             profile=args.profile, prior=args.prior)
         options = ServerOptions(host=args.host, port=args.port,
                                 metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                                 auth_token=args.auth_token, tls_cert=args.tls_cert, tls_key=args.tls_key,

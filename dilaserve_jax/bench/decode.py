@@ -166,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "request, accuracy and measured refresh/reuse step times; then time single refresh and "
                     "reuse steps of the tiny model and of a 2-layer llada_8b-shaped model (canvas 1024).")
     p.add_argument("--model", default=d.model, help="preset (tiny) or checkpoint directory (default tiny)")
+    p.add_argument("--attention", default="auto", choices=("auto", "xla", "pallas"),
+                   help="attention implementation (auto = Pallas on GPU/TPU, XLA on CPU)")
     p.add_argument("--per-task", type=int, default=d.per_task, help=f"held-out problems per task (default {d.per_task})")
     p.add_argument("--taus", type=float, nargs="+", default=list(d.taus), help="thresholds (default 1.0 0.9 0.7 0.5)")
     p.add_argument("--caches", nargs="+", default=list(d.caches), choices=CACHES, help="cache modes (default all)")
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                           args.block_length, args.seed, not args.no_big_model)
         from dilaserve_jax.models import load_model
 
-        model = load_model(cfg.model)
+        model = load_model(cfg.model, attention=args.attention)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

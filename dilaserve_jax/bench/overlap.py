@@ -20,6 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dilaserve_jax.bench.overlap",
                                 description="Measure how much two in-process instances overlap their steps.")
     p.add_argument("--model", default="tiny", help="preset or checkpoint directory (default tiny)")
+    p.add_argument("--attention", default="auto", choices=("auto", "xla", "pallas"),
+                   help="attention implementation (auto = Pallas on GPU/TPU, XLA on CPU)")
     p.add_argument("--requests", type=int, default=16, help="requests per instance (default 16)")
     p.add_argument("--slots", type=int, default=4, help="slots per instance (default 4)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(devices) < 2:
         print("error: needs two devices", file=sys.stderr)
         return 2
-    model = load_model(args.model)
+    model = load_model(args.model, attention=args.attention)
     compiled = CompiledSteps(model.config, model.graphdef)
     latency = LatencyModel.from_profile(fake_profile())  # order only; every request has a loose deadline
     problems = [p for name in ("reverse", "sort", "anagram", "pick")

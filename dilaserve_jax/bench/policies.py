@@ -18,7 +18,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -41,6 +40,7 @@ class BenchConfig:
     prior: str | None = None  # eval --json rows; default: the model directory's eval.json if present
     profile: str | None = None  # measured profile JSON; default: measured here
     seed: int = 0
+    attention: str = "auto"
 
     def __post_init__(self):
         if self.duration <= 0 or self.slots < 1 or self.per_task < 1:
@@ -69,7 +69,7 @@ class Bench:
         from dilaserve_jax.tasks.suite import TASKS, unique_problems
 
         self.cfg, self.say, self.progress = cfg, say, progress
-        self.model = load_model(cfg.model)
+        self.model = load_model(cfg.model, attention=cfg.attention)
         self.items = [Item(p, tuple(self.model.tokenizer.encode(p.prompt)), t.gen_length, TASK_BLOCK[t.gen_length])
                       for name, t in TASKS.items() for p in unique_problems(name, "heldout", cfg.per_task, cfg.seed)]
         self.lengths: dict[int, int] = {}  # answer length -> canvas length bucket (multiple of 64)
@@ -79,12 +79,9 @@ class Bench:
         self.prior = self._prior()
 
     def _prior(self) -> dict[float, float] | None:
-        from dilaserve_jax.serving.threshold import prior_from_eval_json
+        from dilaserve_jax.serving.threshold import eval_rows_beside, prior_from_eval_json
 
-        path = self.cfg.prior
-        if path is None:
-            src = Path(self.model.source.split(":", 1)[-1].split("@")[0])  # "hf:DIR" / "orbax:DIR@step"
-            path = next((str(p) for p in sorted(src.glob("eval*.json"))), None) if src.is_dir() else None
+        path = self.cfg.prior or eval_rows_beside(self.model.source)
         if path is None:
             self.say("threshold prior: the built-in default (no eval rows found; pass --prior eval.json)")
             return None
@@ -282,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "policy (fcfs-static, edf-static, dilaserve) at several request rates; print SLO attainment, "
                     "mean/p99 latency, accuracy, mean τ and tokens per step.")
     p.add_argument("--model", default=d.model, help="preset or checkpoint directory (default tiny)")
+    p.add_argument("--attention", default="auto", choices=("auto", "xla", "pallas"),
+                   help="attention implementation (auto = Pallas on GPU/TPU, XLA on CPU)")
     p.add_argument("--rates", type=float, nargs="+", default=None,
                    help="request rates in req/s (default: --load-factors times the measured capacity)")
     p.add_argument("--load-factors", type=float, nargs="+", default=list(d.load_factors),
@@ -311,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = BenchConfig(model=args.model, rates=tuple(args.rates or ()), load_factors=tuple(args.load_factors),
                           duration=args.duration, slo_range=tuple(args.slo_range), slots=args.slots,
                           per_task=args.per_task, tau_min=args.tau_min, tau_max=args.tau_max, prior=args.prior,
-                          profile=args.profile, seed=args.seed)
+                          profile=args.profile, seed=args.seed, attention=args.attention)
         if args.compile_cache != "none":
             import jax
 

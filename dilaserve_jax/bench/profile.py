@@ -25,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "refresh/reuse ratio per length; optionally write analytic LLaDA-8B roofline profiles.")
     p.add_argument("--out", required=True, help="where to write the measured profile JSON")
     p.add_argument("--model", default="tiny", help="preset (tiny, test) or checkpoint directory (default tiny)")
+    p.add_argument("--attention", default="auto", choices=("auto", "xla", "pallas"),
+                   help="attention implementation (auto = Pallas on GPU/TPU, XLA on CPU)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8], help="batch sizes (default 1 2 4 8)")
     p.add_argument("--lengths", type=int, nargs="+", default=None,
                    help="canvas lengths (default: max_len/4, max_len/2, max_len of the model)")
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     try:
-        model = load_model(args.model)
+        model = load_model(args.model, attention=args.attention)
         cfg = model.config
         lengths = tuple(sorted(set(args.lengths or (cfg.max_len // 4, cfg.max_len // 2, cfg.max_len))))
         compiled = CompiledSteps(cfg, model.graphdef)

@@ -25,6 +25,7 @@ from dilaserve_jax.serving.engine import Engine
 from dilaserve_jax.serving.latency import LatencyModel, Profile
 from dilaserve_jax.serving.runner import JaxRunner
 from dilaserve_jax.serving.scheduler import POLICIES, Scheduler, SchedulerConfig
+from dilaserve_jax.serving.threshold import ThresholdConfig, eval_rows_beside, prior_from_eval_json
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class ServeConfig:
     tau_min: float = 0.5
     tau_max: float = 1.0
     profile: str | None = None  # latency profile JSON; default: measured on the instances at start-up
+    prior: str | None = None  # eval --json rows for the τ -> tokens/step prior; default: eval*.json beside the weights
     allow_unused_devices: bool = False
 
     def __post_init__(self):
@@ -119,10 +121,11 @@ def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print) -> Clust
     if cfg.profile:
         latency_holder["model"] = LatencyModel.from_profile(Profile.load(cfg.profile))
     placeholder = latency_holder.get("model") or _provisional_latency(cfg, lengths)
+    threshold = _threshold_config(cfg, model.source, say)
     engines = []
     for runner, info in zip(runners, infos):
         sched = Scheduler(SchedulerConfig(num_slots=cfg.slots, policy=cfg.policy, tp=info.tp_degree,
-                                          max_queue=cfg.max_queue), placeholder)
+                                          max_queue=cfg.max_queue, threshold=threshold), placeholder)
         engines.append(Engine(runner, sched, name=info.name))
 
     def warm_up() -> None:
@@ -155,6 +158,17 @@ def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print) -> Clust
 
     return Cluster(engines, infos, layout=str(layout.spec), policy=cfg.policy, model_source=model.source,
                    tokenizer=tok, limits=limits, reload_fn=reload, warmup_fn=warm_up)
+
+
+def _threshold_config(cfg: ServeConfig, source: str, say) -> ThresholdConfig:
+    """The τ -> tokens/step prior measured by the eval command, when there is one; else the default."""
+    path = cfg.prior or eval_rows_beside(source)
+    if path is None:
+        say("threshold prior: built-in default (no eval rows beside the weights; pass --prior eval.json)")
+        return ThresholdConfig()
+    prior = prior_from_eval_json(path)
+    say(f"threshold prior from {path}: " + ", ".join(f"τ={t:g} {v:.2f} tok/step" for t, v in prior.items()))
+    return ThresholdConfig.with_prior(prior)
 
 
 def _provisional_latency(cfg: ServeConfig, lengths) -> LatencyModel:

@@ -67,6 +67,12 @@ def prior_from_eval_json(path_or_rows: str | Path | Iterable[Mapping], tasks: Se
     return {tau: max(1.0, tokens[tau] / steps[tau]) for tau in sorted(steps, reverse=True)}
 
 
+def eval_rows_beside(model_source: str) -> Path | None:
+    """The first eval*.json in the directory a model was loaded from ("hf:DIR", "orbax:DIR@step")."""
+    directory = Path(model_source.split(":", 1)[-1].split("@")[0])
+    return next(iter(sorted(directory.glob("eval*.json"))), None) if directory.is_dir() else None
+
+
 @dataclass(frozen=True, slots=True)
 class ThresholdConfig:
     grid: tuple[float, ...] = TAU_GRID
