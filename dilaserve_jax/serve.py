@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scheduling policy (default dilaserve)")
     p.add_argument("--default-slo-ms", type=float, default=10_000.0,
                    help="deadline for calls with neither a gRPC deadline nor slo_ms (default 10000)")
+    p.add_argument("--default-max-new-tokens", type=int, default=16,
+                   help="answer length for calls that do not set max_new_tokens (default 16: the tiny model's "
+                        "answer area for its short tasks; raise it for real checkpoints)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests per instance before RESOURCE_EXHAUSTED")
     p.add_argument("--slots", type=int, default=8, help="concurrent requests (decode slots) per instance (default 8)")
     p.add_argument("--cache", default="dual", choices=("dual", "prefix", "none"), help="KV cache mode (default dual)")
@@ -87,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         config = ServeConfig(model=args.model, mesh=args.mesh, policy=args.policy, slots=args.slots,
                              cache_mode=args.cache, attention=args.attention, max_queue=args.max_queue,
                              default_slo_ms=args.default_slo_ms, tau_min=args.tau_min, tau_max=args.tau_max,
-                             profile=args.profile, prior=args.prior)
+                             profile=args.profile, prior=args.prior,
+                             default_max_new_tokens=args.default_max_new_tokens)
         options = ServerOptions(host=args.host, port=args.port,
                                 metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                                 auth_token=args.auth_token, tls_cert=args.tls_cert, tls_key=args.tls_key,
