@@ -82,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         from dilaserve_jax.frontend.server import ServerOptions
         from dilaserve_jax.serving.build import ServeConfig, build_cluster
 
-        if args.compile_cache != "none":
-            jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        from dilaserve_jax.decoding.compiled import enable_compile_cache
+
+        enable_compile_cache(args.compile_cache)
         if jax.default_backend() == "cpu":
             say(f"no accelerator found: presenting {cpu_devices} CPU devices for mesh {args.mesh}")
         config = ServeConfig(model=args.model, mesh=args.mesh, policy=args.policy, slots=args.slots,

@@ -311,11 +311,9 @@ def main(argv: list[str] | None = None) -> int:
                           duration=args.duration, slo_range=tuple(args.slo_range), slots=args.slots,
                           per_task=args.per_task, tau_min=args.tau_min, tau_max=args.tau_max, prior=args.prior,
                           profile=args.profile, seed=args.seed, attention=args.attention)
-        if args.compile_cache != "none":
-            import jax
+        from dilaserve_jax.decoding.compiled import enable_compile_cache
 
-            jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        enable_compile_cache(args.compile_cache)
         rows, info = run(cfg, say, not args.no_progress)
     except (ValueError, FileNotFoundError) as err:
         say(f"error: {err}")

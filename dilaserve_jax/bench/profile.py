@@ -94,16 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         say("error: --tp, --batches and --repeats must be positive, --holdout in [0, 1)")
         return 2
     _present_cpu_devices(max(args.tp))
-    import jax
-
-    from dilaserve_jax.decoding.compiled import CompiledSteps
+    from dilaserve_jax.decoding.compiled import CompiledSteps, enable_compile_cache
     from dilaserve_jax.models import load_model
     from dilaserve_jax.serving.latency import Profile, fit
     from dilaserve_jax.serving.profiling import measure_profile
 
-    if args.compile_cache != "none":
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    enable_compile_cache(args.compile_cache)
     try:
         model = load_model(args.model, attention=args.attention)
         cfg = model.config

@@ -123,3 +123,12 @@ class CompiledSteps:
 def put_small(values, dtype, sharding) -> jax.Array:
     """Host values -> a device array on the state's devices (what the executables expect)."""
     return jax.device_put(np.asarray(values, dtype=dtype), sharding)
+
+
+def enable_compile_cache(directory: str | None) -> None:
+    """Keep compiled executables on disk under `directory` ("none" or None: off), so restarts skip
+    recompiling; every executable is kept, however quickly it compiled."""
+    if directory in (None, "none"):
+        return
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

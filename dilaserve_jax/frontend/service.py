@@ -143,7 +143,7 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
                 self._count(result.state.name.lower().removeprefix("finished_"))
                 await context.abort(grpc.StatusCode.ABORTED, f"request ended as {result.state.name}")
             self._count("ok", result.deadline_met)
-            yield self._final(spec, req, result, handle_instance(handle))
+            yield self._final(spec, req, result, handle.instance)
         finally:
             self._leave()
 
@@ -202,11 +202,6 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
 async def _check_parsed(request, context) -> None:
     if not hasattr(request, "DESCRIPTOR"):  # server.MalformedRequest: the bytes were not a valid message
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: malformed message ({request.error})")
-
-
-def handle_instance(handle) -> str:
-    """Name of the instance (engine) a request was routed to."""
-    return getattr(getattr(handle, "_engine", None), "name", "")
 
 
 def _apply(answer: list[int], progress, step: int, total: int) -> tuple[int, int]:

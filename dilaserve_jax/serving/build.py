@@ -117,10 +117,8 @@ def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print) -> Clust
         runners.append(runner)
         infos.append(InstanceInfo(f"instance-{inst.index}", inst.tp, inst.device_ids))
 
-    latency_holder: dict = {}
-    if cfg.profile:
-        latency_holder["model"] = LatencyModel.from_profile(Profile.load(cfg.profile))
-    placeholder = latency_holder.get("model") or _provisional_latency(cfg, lengths)
+    given = LatencyModel.from_profile(Profile.load(cfg.profile)) if cfg.profile else None
+    placeholder = given or _provisional_latency()
     threshold = _threshold_config(cfg, model.source, say)
     engines = []
     for runner, info in zip(runners, infos):
@@ -134,7 +132,6 @@ def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print) -> Clust
             runner.warm_up(progress=True)
             say(f"{info.name} (TP {info.tp_degree}, devices {list(info.device_ids)}): compiled and warmed "
                 f"{len(runner.decoder.config.step_shapes())} step shapes in {time.perf_counter() - t:.1f} s")
-        given = latency_holder.get("model")
         missing = {i.tp_degree for i in infos} - set(given.tp_degrees if given else ())
         if missing:
             _measure_latency(runners, infos, cfg, lengths, engines, say, missing, given)
@@ -171,7 +168,7 @@ def _threshold_config(cfg: ServeConfig, source: str, say) -> ThresholdConfig:
     return ThresholdConfig.with_prior(prior)
 
 
-def _provisional_latency(cfg: ServeConfig, lengths) -> LatencyModel:
+def _provisional_latency() -> LatencyModel:
     """Used only until the start-up measurement replaces it (no request is scheduled before)."""
     from dilaserve_jax.serving.fake_runner import fake_profile
 

@@ -72,6 +72,11 @@ class RequestHandle:
     def result(self, timeout: float | None = None) -> RequestResult:
         return self.future.result(timeout)
 
+    @property
+    def instance(self) -> str:
+        """Name of the engine (instance) serving this request."""
+        return self._engine.name
+
     def done(self) -> bool:
         return self.future.done()
 
