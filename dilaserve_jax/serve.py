@@ -31,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scheduling policy (default dilaserve)")
     p.add_argument("--default-slo-ms", type=float, default=10_000.0,
                    help="deadline for calls with neither a gRPC deadline nor slo_ms (default 10000)")
-    p.add_argument("--default-max-new-tokens", type=int, default=16,
-                   help="answer length for calls that do not set max_new_tokens (default 16: the tiny model's "
+    p.add_argument("--default-max-new-tokens", type=int, default=12,
+                   help="answer length for calls that do not set max_new_tokens (default 12: the tiny model's "
                         "answer area for its short tasks; raise it for real checkpoints)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests per instance before RESOURCE_EXHAUSTED")
     p.add_argument("--slots", type=int, default=8, help="concurrent requests (decode slots) per instance (default 8)")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 POLICIES = ("fcfs-static", "edf-static", "dilaserve")
-TASK_BLOCK = {16: 16, 96: 32}  # answer length -> block length (blocks must tile the answer)
+TASK_BLOCK = {SHORT_AREA: SHORT_AREA, 96: 32}  # answer length -> block length (blocks must tile the answer)
 
 
 @dataclass(frozen=True, slots=True)

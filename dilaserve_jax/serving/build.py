@@ -43,7 +43,7 @@ class ServeConfig:
     param_dtype: str | None = None
     max_queue: int = 256
     default_slo_ms: float = 10_000.0
-    default_max_new_tokens: int = 16
+    default_max_new_tokens: int = 12
     default_block_length: int = 32
     tau_min: float = 0.5
     tau_max: float = 1.0

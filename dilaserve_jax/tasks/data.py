@@ -54,9 +54,9 @@ def collate(examples: list[tuple[Problem, str]], seq_len: int) -> Batch:
 
 
 def group_seq_len(gen_length: int) -> int:
-    """Fixed sequence length of a group: longest prompt + answer area, rounded up to 16."""
+    """Fixed sequence length of a group: longest prompt + answer area, rounded up to 8."""
     longest = max(t.max_prompt + t.gen_length for t in TASKS.values() if t.gen_length == gen_length)
-    return -(-longest // 16) * 16
+    return -(-longest // 8) * 8
 
 
 def batches(seed: int, batch_tokens: int, weights: dict[str, float]) -> Iterator[Batch]:

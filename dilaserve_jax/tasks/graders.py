@@ -7,10 +7,6 @@ from typing import Callable
 from dilaserve_jax.tasks.suite import Problem
 
 
-def _reverse(payload: tuple, answer: str) -> bool:
-    return answer == payload[0][::-1]
-
-
 def _sort(payload: tuple, answer: str) -> bool:
     return answer == "".join(sorted(payload[0]))
 
@@ -28,7 +24,7 @@ def _pick(payload: tuple, answer: str) -> bool:
 
 
 GRADERS: dict[str, Callable[[tuple, str], bool]] = {
-    "reverse": _reverse, "sort": _sort, "upper": _upper, "anagram": _anagram, "pick": _pick,
+    "sort": _sort, "upper": _upper, "anagram": _anagram, "pick": _pick,
 }
 
 

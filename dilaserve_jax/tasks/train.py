@@ -15,15 +15,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-DEFAULT_WEIGHTS = {"reverse": 1.0, "sort": 1.0, "upper": 0.4, "anagram": 1.2, "pick": 0.8}
+DEFAULT_WEIGHTS = {"sort": 1.3, "upper": 0.6, "anagram": 1.2, "pick": 1.2}
 
 
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
     out: str
     model: str = "tiny"
-    steps: int = 600
-    batch_tokens: int = 3072
+    steps: int = 640
+    batch_tokens: int = 6144
     lr: float = 2e-3
     warmup: int = 40
     weight_decay: float = 0.01
@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation dtype while training (params and optimizer stay float32)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     p.add_argument("--weights", default=None,
-                   help="task mix as JSON, e.g. '{\"reverse\": 1, \"pick\": 0.5}' (default %s)"
+                   help="task mix as JSON, e.g. '{\"sort\": 1, \"pick\": 0.5}' (default %s)"
                         % json.dumps(DEFAULT_WEIGHTS))
     p.add_argument("--export", default=None, metavar="DIR",
                    help="write the final model as a bf16 LLaDA checkpoint + TRAINING.json/md to DIR "

@@ -82,7 +82,7 @@ def test_pick_accepts_each_listed_word_and_nothing_else(seed, data):
 
 
 def test_graders_are_exact_about_case_and_whitespace():
-    p = Problem("reverse", TASKS["reverse"].prompt_of(("abc",)), ("abc",))
-    assert grade(p, "cba") and not grade(p, "CBA") and not grade(p, "cba ") and not grade(p, "")
+    p = Problem("sort", TASKS["sort"].prompt_of(("312",)), ("312",))
+    assert grade(p, "123") and not grade(p, "123 ") and not grade(p, " 123") and not grade(p, "")
     p = Problem("upper", TASKS["upper"].prompt_of(("ab cd",)), ("ab cd",))
     assert grade(p, "AB CD") and not grade(p, "ABCD") and not grade(p, "AB  CD")

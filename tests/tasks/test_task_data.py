@@ -9,13 +9,13 @@ TOK = CharTokenizer()
 
 
 def test_collate_pads_answers_with_eos_and_rows_with_pad():
-    p = Problem("reverse", TASKS["reverse"].prompt_of(("abc",)), ("abc",))
-    b = collate([(p, "cba")], seq_len=48)
+    p = Problem("sort", TASKS["sort"].prompt_of(("312",)), ("312",))
+    b = collate([(p, "123")], seq_len=48)
     prompt = TOK.encode(p.prompt)
-    gen = TASKS["reverse"].gen_length
+    gen = TASKS["sort"].gen_length
     row = b.tokens[0]
     assert row[:len(prompt)].tolist() == prompt
-    assert row[len(prompt):len(prompt) + 3].tolist() == TOK.encode("cba")
+    assert row[len(prompt):len(prompt) + 3].tolist() == TOK.encode("123")
     assert (row[len(prompt) + 3:len(prompt) + gen] == TOK.eos_id).all()
     assert (row[len(prompt) + gen:] == TOK.pad_id).all()
     assert b.valid_len[0] == len(prompt) + gen

@@ -16,7 +16,7 @@ from dilaserve_jax.tasks.train import TrainConfig, main
 
 
 def _batch(rows=8):
-    examples = [x for x, _ in zip(training_examples(seed=0, tasks=("reverse", "sort")), range(rows))]
+    examples = [x for x, _ in zip(training_examples(seed=0, tasks=("sort", "pick")), range(rows))]
     return collate(examples, seq_len=48)
 
 
@@ -66,7 +66,7 @@ def test_train_command_checkpoints_resumes_and_exports(tmp_path, capsys):
 
     out, export = tmp_path / "run", tmp_path / "export"
     common = ["--out", str(out), "--model", "test", "--batch-tokens", "384", "--checkpoint-every", "1",
-              "--weights", '{"reverse": 1}', "--no-progress"]
+              "--weights", '{"sort": 1}', "--no-progress"]
     assert main(common + ["--steps", "1"]) == 0
     assert main(common + ["--steps", "2", "--export", str(export)]) == 0  # resumes at step 1
     record = json.loads((export / "TRAINING.json").read_text())
