@@ -22,7 +22,15 @@ from dataclasses import dataclass
 import numpy as np
 
 POLICIES = ("fcfs-static", "edf-static", "dilaserve")
-TASK_BLOCK = {SHORT_AREA: SHORT_AREA, 96: 32}  # answer length -> block length (blocks must tile the answer)
+MAX_BLOCK = 32
+
+
+def task_block(answer_length: int) -> int:
+    """Block length for a task's answer area: one block up to 32 tokens, else 32-token blocks."""
+    block = min(answer_length, MAX_BLOCK)
+    if answer_length % block:
+        raise ValueError(f"answer area {answer_length} is not a whole number of {block}-token blocks")
+    return block
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +78,7 @@ class Bench:
 
         self.cfg, self.say, self.progress = cfg, say, progress
         self.model = load_model(cfg.model, attention=cfg.attention)
-        self.items = [Item(p, tuple(self.model.tokenizer.encode(p.prompt)), t.gen_length, TASK_BLOCK[t.gen_length])
+        self.items = [Item(p, tuple(self.model.tokenizer.encode(p.prompt)), t.gen_length, task_block(t.gen_length))
                       for name, t in TASKS.items() for p in unique_problems(name, "heldout", cfg.per_task, cfg.seed)]
         self.lengths: dict[int, int] = {}  # answer length -> canvas length bucket (multiple of 64)
         for it in self.items:
@@ -98,11 +106,11 @@ class Bench:
         t0 = time.perf_counter()
         self.runner = JaxRunner(m.config, m.graphdef, m.params, num_slots=cfg.slots,
                                 length_buckets=tuple(sorted(set(self.lengths.values()))),
-                                block_buckets=tuple(sorted(set(TASK_BLOCK.values()))), warm_up=False, progress=False)
+                                block_buckets=tuple(sorted({it.block for it in self.items})), warm_up=False, progress=False)
         batches = self.runner.decoder.config.batch_buckets
         points, label = [], ""
         for answer, length in sorted(self.lengths.items()):  # also compiles exactly the shapes used
-            prof = measure_profile(self.runner, batches=batches, lengths=(length,), blocks=(TASK_BLOCK[answer],),
+            prof = measure_profile(self.runner, batches=batches, lengths=(length,), blocks=(task_block(answer),),
                                    repeats=3, progress=self.progress)
             points.extend(prof.points)
             label, device = prof.label, prof.device
