@@ -97,9 +97,23 @@ def run_grid(model, cfg: BenchConfig, progress: bool) -> list[dict]:
     return rows
 
 
+TIMING_PHRASE = "the quick brown fox jumps over the lazy dog while five boxing wizards jump quickly"
+
+
+def timing_prompt(tokenizer, length: int) -> list[int]:
+    """A prompt the tiny model answers at length (an `upper` copy), so no slot finishes while timed."""
+    from dilaserve_jax.tasks.suite import upper_prompt
+
+    return tokenizer.encode(upper_prompt(TIMING_PHRASE))[: length // 2]
+
+
 def time_steps(cfg, graphdef, params, *, batch: int, length: int, block: int, prompt_len: int,
-               repeats: int = 3, progress: bool = False) -> dict:
-    """Median wall time of one refresh step and one dual-cache reuse step at a fixed shape."""
+               repeats: int = 3, progress: bool = False, prompt: list[int] | None = None) -> dict:
+    """Median wall time of one refresh step and one dual-cache reuse step at a fixed shape.
+
+    The slots hold `prompt` (default: prompt_len filler tokens); a slot that finishes while timed
+    (its answer ended) is an error, since its next step would not be the shape being measured.
+    """
     from dilaserve_jax.decoding.buckets import CacheMode
     from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
 
@@ -107,15 +121,20 @@ def time_steps(cfg, graphdef, params, *, batch: int, length: int, block: int, pr
                       progress=progress)
     slots = list(range(batch))
     for s in slots:
-        dec.admit(s, [3 + (s + i) % 90 for i in range(prompt_len)], length - prompt_len, block)
+        tokens = list(prompt) if prompt is not None else [3 + (s + i) % 90 for i in range(prompt_len)]
+        dec.admit(s, tokens, length - len(tokens), block)
     refresh, reuse = [], []
     for _ in range(repeats):  # τ = 1: one commit per step, the block never fills up here
         t0 = time.perf_counter()
-        dec.step(True, slots, [1.0] * batch)
+        done = dec.step(True, slots, [1.0] * batch)
         refresh.append(time.perf_counter() - t0)
+        if any(r.request_finished for r in done):
+            raise RuntimeError("a timed slot finished its answer; time with a prompt that gets a longer answer")
         t0 = time.perf_counter()
-        dec.step(False, slots, [1.0] * batch)
+        done = dec.step(False, slots, [1.0] * batch)
         reuse.append(time.perf_counter() - t0)
+        if any(r.request_finished for r in done):
+            raise RuntimeError("a timed slot finished its answer; time with a prompt that gets a longer answer")
     r, u = statistics.median(refresh), statistics.median(reuse)
     return {"model": cfg.name, "layers": cfg.n_layers, "batch": batch, "canvas": length, "block": block,
             "refresh_ms": 1e3 * r, "reuse_ms": 1e3 * u, "refresh_over_reuse": r / u,
@@ -196,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_grid(model, cfg, progress)
     length = model.config.max_len
     steps = [time_steps(model.config, model.graphdef, model.params, batch=b, length=length,
-                        block=min(cfg.block_length, length // 2), prompt_len=length // 4, progress=progress)
+                        block=min(cfg.block_length, length // 2), prompt_len=length // 4, progress=progress,
+                        prompt=timing_prompt(model.tokenizer, length))
              for b in cfg.batches]
     if cfg.big_model:
         steps.append(big_model_steps(progress))
