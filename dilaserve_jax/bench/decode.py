@@ -125,16 +125,12 @@ def time_steps(cfg, graphdef, params, *, batch: int, length: int, block: int, pr
         dec.admit(s, tokens, length - len(tokens), block)
     refresh, reuse = [], []
     for _ in range(repeats):  # τ = 1: one commit per step, the block never fills up here
-        t0 = time.perf_counter()
-        done = dec.step(True, slots, [1.0] * batch)
-        refresh.append(time.perf_counter() - t0)
-        if any(r.request_finished for r in done):
-            raise RuntimeError("a timed slot finished its answer; time with a prompt that gets a longer answer")
-        t0 = time.perf_counter()
-        done = dec.step(False, slots, [1.0] * batch)
-        reuse.append(time.perf_counter() - t0)
-        if any(r.request_finished for r in done):
-            raise RuntimeError("a timed slot finished its answer; time with a prompt that gets a longer answer")
+        for kind, times in ((True, refresh), (False, reuse)):
+            t0 = time.perf_counter()
+            done = dec.step(kind, slots, [1.0] * batch)
+            times.append(time.perf_counter() - t0)
+            if any(r.request_finished for r in done):
+                raise RuntimeError("a timed slot finished its answer; time with a prompt that gets a longer answer")
     r, u = statistics.median(refresh), statistics.median(reuse)
     return {"model": cfg.name, "layers": cfg.n_layers, "batch": batch, "canvas": length, "block": block,
             "refresh_ms": 1e3 * r, "reuse_ms": 1e3 * u, "refresh_over_reuse": r / u,
