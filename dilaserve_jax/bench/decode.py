@@ -107,12 +107,12 @@ def timing_prompt(tokenizer, length: int) -> list[int]:
     return tokenizer.encode(upper_prompt(TIMING_PHRASE))[: length // 2]
 
 
-def time_steps(cfg, graphdef, params, *, batch: int, length: int, block: int, prompt_len: int,
-               repeats: int = 3, progress: bool = False, prompt: list[int] | None = None) -> dict:
+def time_steps(cfg, graphdef, params, *, batch: int, length: int, block: int, prompt: list[int],
+               repeats: int = 3, progress: bool = False) -> dict:
     """Median wall time of one refresh step and one dual-cache reuse step at a fixed shape.
 
-    The slots hold `prompt` (default: prompt_len filler tokens); a slot that finishes while timed
-    (its answer ended) is an error, since its next step would not be the shape being measured.
+    Every slot holds `prompt`; a slot that finishes while timed (its answer ended) is an error,
+    since its next step would not be the shape being measured.
     """
     from dilaserve_jax.decoding.buckets import CacheMode
     from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
@@ -121,8 +121,7 @@ def time_steps(cfg, graphdef, params, *, batch: int, length: int, block: int, pr
                       progress=progress)
     slots = list(range(batch))
     for s in slots:
-        tokens = list(prompt) if prompt is not None else [3 + (s + i) % 90 for i in range(prompt_len)]
-        dec.admit(s, tokens, length - len(tokens), block)
+        dec.admit(s, prompt, length - len(prompt), block)
     refresh, reuse = [], []
     for _ in range(repeats):  # τ = 1: one commit per step, the block never fills up here
         for kind, times in ((True, refresh), (False, reuse)):
@@ -146,7 +145,8 @@ def big_model_steps(progress: bool) -> dict:
 
     cfg = llada_8b().replace(n_layers=2)
     graphdef, params = nnx.split(init_model(cfg, seed=0))
-    return time_steps(cfg, graphdef, params, batch=1, length=1024, block=32, prompt_len=512, repeats=2,
+    filler = [3 + i % 90 for i in range(512)]  # random weights: any prompt gives a long answer
+    return time_steps(cfg, graphdef, params, batch=1, length=1024, block=32, prompt=filler, repeats=2,
                       progress=progress)
 
 
@@ -211,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_grid(model, cfg, progress)
     length = model.config.max_len
     steps = [time_steps(model.config, model.graphdef, model.params, batch=b, length=length,
-                        block=min(cfg.block_length, length // 2), prompt_len=length // 4, progress=progress,
-                        prompt=timing_prompt(model.tokenizer, length))
+                        block=min(cfg.block_length, length // 2), prompt=timing_prompt(model.tokenizer, length),
+                        progress=progress)
              for b in cfg.batches]
     if cfg.big_model:
         steps.append(big_model_steps(progress))

@@ -51,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(args.model, attention=args.attention)
     compiled = CompiledSteps(model.config, model.graphdef)
     latency = LatencyModel.from_profile(fake_profile())  # order only; every request has a loose deadline
-    problems = [p for name in ("sort", "anagram", "pick")
-                for p in unique_problems(name, "heldout", -(-args.requests // 4), seed=5)][:args.requests]
+    names = ("sort", "anagram", "pick")  # short answers: one canvas bucket
+    problems = [p for name in names
+                for p in unique_problems(name, "heldout", -(-args.requests // len(names)), seed=5)][:args.requests]
     engines = []
     for i, dev in enumerate(devices):
         params = jax.device_put(model.params, dev)
