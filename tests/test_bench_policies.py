@@ -1,8 +1,7 @@
 """The policies benchmark's per-task block lengths tile every answer area of the suite."""
 import pytest
 
-from dilaserve_jax.bench.policies import task_block
-from dilaserve_jax.tasks.suite import TASKS
+from dilaserve_jax.tasks.suite import TASKS, task_block
 
 
 def test_every_task_answer_area_is_whole_blocks():

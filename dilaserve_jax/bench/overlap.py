@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from dilaserve_jax.serving.request import Request
     from dilaserve_jax.serving.runner import JaxRunner
     from dilaserve_jax.serving.scheduler import Scheduler, SchedulerConfig
-    from dilaserve_jax.tasks.suite import TASKS, unique_problems
+    from dilaserve_jax.tasks.suite import SHORT_AREA, TASKS, task_block, unique_problems
 
     devices = jax.devices()[:2]
     if len(devices) < 2:
@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     for i, dev in enumerate(devices):
         params = jax.device_put(model.params, dev)
         runner = JaxRunner(model.config, model.graphdef, params, num_slots=args.slots, length_buckets=(64,),
-                           block_buckets=(16,), compiled=compiled, state_sharding=jax.sharding.SingleDeviceSharding(dev),
+                           block_buckets=(SHORT_AREA,), compiled=compiled,
+                           state_sharding=jax.sharding.SingleDeviceSharding(dev),
                            progress=False)
         sched = Scheduler(SchedulerConfig(num_slots=args.slots, policy="fcfs-static"), latency)
         engines.append(Engine(runner, sched, name=f"instance-{i}"))
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             for j, p in enumerate(problems):
                 now = time.monotonic()
                 req = Request(f"{i}-{j}-{start}", tuple(model.tokenizer.encode(p.prompt)), TASKS[p.task].gen_length,
-                              16, now, now + 3600.0, tau_min=0.9, tau_max=0.9)
+                              task_block(TASKS[p.task].gen_length), now, now + 3600.0, tau_min=0.9, tau_max=0.9)
                 handles.append(engines[i].submit(req))
         for h in handles:
             h.result(600)

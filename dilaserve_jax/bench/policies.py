@@ -22,15 +22,6 @@ from dataclasses import dataclass
 import numpy as np
 
 POLICIES = ("fcfs-static", "edf-static", "dilaserve")
-MAX_BLOCK = 32
-
-
-def task_block(answer_length: int) -> int:
-    """Block length for a task's answer area: one block up to 32 tokens, else 32-token blocks."""
-    block = min(answer_length, MAX_BLOCK)
-    if answer_length % block:
-        raise ValueError(f"answer area {answer_length} is not a whole number of {block}-token blocks")
-    return block
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +65,7 @@ class Item:
 class Bench:
     def __init__(self, cfg: BenchConfig, say, progress: bool):
         from dilaserve_jax.models import load_model
-        from dilaserve_jax.tasks.suite import TASKS, unique_problems
+        from dilaserve_jax.tasks.suite import TASKS, task_block, unique_problems
 
         self.cfg, self.say, self.progress = cfg, say, progress
         self.model = load_model(cfg.model, attention=cfg.attention)

@@ -150,6 +150,17 @@ def task(name: str) -> Task:
         raise ValueError(f"unknown task {name!r}; tasks: {', '.join(TASKS)}") from None
 
 
+MAX_BLOCK = 32
+
+
+def task_block(answer_length: int) -> int:
+    """Block length for a task's answer area: one block up to 32 tokens, else 32-token blocks."""
+    block = min(answer_length, MAX_BLOCK)
+    if answer_length % block:
+        raise ValueError(f"answer area {answer_length} is not a whole number of {block}-token blocks")
+    return block
+
+
 def split_of(task_name: str, canonical: str) -> str:
     """'heldout' for one canonical form in HELDOUT_BUCKETS (a stable hash, not Python's hash())."""
     digest = hashlib.sha256(f"{task_name}\x00{canonical}".encode()).digest()
