@@ -1,10 +1,9 @@
 """Exact graders: does an answer string solve a problem? One pure function per task."""
 from __future__ import annotations
 
-from collections import Counter
 from typing import Callable
 
-from dilaserve_jax.tasks.suite import Problem
+from dilaserve_jax.tasks.suite import Problem, alternate_case
 
 
 def _sort(payload: tuple, answer: str) -> bool:
@@ -15,16 +14,17 @@ def _upper(payload: tuple, answer: str) -> bool:
     return answer == payload[0].upper()
 
 
-def _anagram(payload: tuple, answer: str) -> bool:
-    return Counter(answer) == Counter(payload[0])  # any arrangement of exactly these letters
+def _repeat(payload: tuple, answer: str) -> bool:
+    letters, n = payload
+    return any(answer == c * n for c in letters)  # any one of the letters, written n times
 
 
-def _pick(payload: tuple, answer: str) -> bool:
-    return answer in payload  # any one of the listed words, exactly
+def _altcase(payload: tuple, answer: str) -> bool:
+    return answer in (alternate_case(payload[0], True), alternate_case(payload[0], False))
 
 
 GRADERS: dict[str, Callable[[tuple, str], bool]] = {
-    "sort": _sort, "upper": _upper, "anagram": _anagram, "pick": _pick,
+    "sort": _sort, "upper": _upper, "repeat": _repeat, "altcase": _altcase,
 }
 
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-DEFAULT_WEIGHTS = {"sort": 1.3, "upper": 0.6, "anagram": 1.2, "pick": 1.2}
+DEFAULT_WEIGHTS = {"sort": 1.6, "upper": 0.4, "repeat": 0.5, "altcase": 0.9}
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation dtype while training (params and optimizer stay float32)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     p.add_argument("--weights", default=None,
-                   help="task mix as JSON, e.g. '{\"sort\": 1, \"pick\": 0.5}' (default %s)"
+                   help="task mix as JSON, e.g. '{\"sort\": 1, \"repeat\": 0.5}' (default %s)"
                         % json.dumps(DEFAULT_WEIGHTS))
     p.add_argument("--export", default=None, metavar="DIR",
                    help="write the final model as a bf16 LLaDA checkpoint + TRAINING.json/md to DIR "

@@ -25,7 +25,7 @@ TAU = 0.9
 
 
 def _prompts(n):
-    names = ["sort", "anagram", "pick"]
+    names = ["sort", "repeat"]
     per = -(-n // len(names))
     probs = [p for name in names for p in unique_problems(name, "heldout", per, seed=3)]
     return [(p.prompt, TASKS[p.task].gen_length) for p in probs[:n]]

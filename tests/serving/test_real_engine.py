@@ -25,7 +25,7 @@ from dilaserve_jax.tasks.suite import unique_problems
 
 SLOTS, LENGTH, BLOCK_BUCKET = 4, 64, 16
 N_REQUESTS = 50
-TASKS = ("sort", "anagram", "pick")  # prompts <= 17 characters: one 64-token length bucket
+TASKS = ("sort", "repeat")  # prompts <= 12 characters: one 64-token length bucket
 
 
 def _model():

@@ -32,14 +32,18 @@ def _mean(per_task):
 
 
 @pytest.mark.slow
-def test_shipped_model_keeps_its_measured_heldout_accuracy(heldout_rows):
-    # Regression guard at the level the shipped checkpoint was measured at (mean 50% on this
-    # sample, upper 100%): a break in the model, checkpoint or decoding code drops far below it.
-    assert _mean(heldout_rows) >= 0.40, heldout_rows
-    assert heldout_rows["upper"]["accuracy"] >= 0.9 and heldout_rows["sort"]["accuracy"] >= 0.4, heldout_rows
+def test_shipped_model_meets_the_quality_bar(heldout_rows):
+    # 97.5% on this sample when the checkpoint was shipped (sort, repeat, altcase 10/10, upper 9/10).
+    assert _mean(heldout_rows) >= 0.85, heldout_rows
+    assert all(r["accuracy"] >= 0.7 for r in heldout_rows.values()), heldout_rows
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="the shipped checkpoint does not meet the 85% bar yet (50% on this sample)", strict=False)
-def test_shipped_model_meets_the_quality_bar(heldout_rows):
-    assert _mean(heldout_rows) >= 0.85, heldout_rows
+def test_low_threshold_mixes_multi_answer_problems_but_not_deterministic_ones():
+    # The trade-off the server manages: at tau = 0.3 the multi-answer tasks commit both answers'
+    # letters at once and fail; sequential decoding (tau = 1.0) gets them right.
+    model = load_model("tiny")
+    rows = evaluate(EvalConfig(model="tiny", thresholds=(1.0, 0.3), per_task=10, seed=123,
+                               tasks=("repeat", "altcase")), model, progress=False)
+    acc = {r["threshold"]: r["accuracy"] for r in rows if r["task"] == "mean:multi-answer"}
+    assert acc[1.0] >= 0.85 and acc[0.3] <= acc[1.0] - 0.3, rows

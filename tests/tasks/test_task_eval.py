@@ -25,9 +25,9 @@ def test_summary_rows_and_table():
 
 def test_evaluate_rows_have_the_documented_keys():
     model = load_model("test")  # random weights: only the shape of the output is checked
-    rows = evaluate(EvalConfig(model="test", thresholds=(1.0, 0.3), per_task=2, tasks=("pick",)), model,
+    rows = evaluate(EvalConfig(model="test", thresholds=(1.0, 0.3), per_task=2, tasks=("repeat",)), model,
                     progress=False)
-    task_rows = [r for r in rows if r["task"] == "pick"]
+    task_rows = [r for r in rows if r["task"] == "repeat"]
     assert [r["threshold"] for r in task_rows] == [1.0, 0.3]
     for r in task_rows:
         assert {"task", "threshold", "accuracy", "tokens_per_step", "steps"} <= set(r)

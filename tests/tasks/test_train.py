@@ -16,7 +16,7 @@ from dilaserve_jax.tasks.train import TrainConfig, main
 
 
 def _batch(rows=8):
-    examples = [x for x, _ in zip(training_examples(seed=0, tasks=("sort", "pick")), range(rows))]
+    examples = [x for x, _ in zip(training_examples(seed=0, tasks=("sort", "repeat")), range(rows))]
     return collate(examples, seq_len=48)
 
 
