@@ -13,3 +13,18 @@ def test_every_task_answer_area_is_whole_blocks():
 def test_untileable_answer_area_is_rejected():
     with pytest.raises(ValueError, match="whole number"):
         task_block(40)
+
+
+@pytest.mark.slow  # ~20 s on 2 CPU cores: profiles and compiles the shapes of one small pool
+def test_policies_benchmark_runs_end_to_end_on_the_shipped_model(capsys):
+    import json
+
+    from dilaserve_jax.bench.policies import main
+
+    assert main(["--per-task", "1", "--duration", "0.5", "--rates", "4", "--slots", "2",
+                 "--no-progress", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {r["policy"] for r in rows} == {"fcfs-static", "edf-static", "dilaserve"}
+    for r in rows:
+        assert r["requests"] > 0 and r["completed"] + r["rejected"] == r["requests"]
+        assert 0.0 <= r["accuracy"] <= 1.0 and r["tokens_per_step"] >= 1.0

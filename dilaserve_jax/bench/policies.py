@@ -92,6 +92,7 @@ class Bench:
         from dilaserve_jax.serving.latency import LatencyModel, Profile
         from dilaserve_jax.serving.profiling import measure_profile
         from dilaserve_jax.serving.runner import JaxRunner
+        from dilaserve_jax.tasks.suite import task_block
 
         m, cfg = self.model, self.cfg
         t0 = time.perf_counter()
