@@ -102,9 +102,9 @@ TIMING_PHRASE = "the quick brown fox jumps over the lazy dog while five boxing w
 
 def timing_prompt(tokenizer, length: int) -> list[int]:
     """A prompt the tiny model answers at length (an `upper` copy), so no slot finishes while timed."""
-    from dilaserve_jax.tasks.suite import upper_prompt
+    from dilaserve_jax.tasks.suite import field_prompt
 
-    return tokenizer.encode(upper_prompt(TIMING_PHRASE))[: length // 2]
+    return tokenizer.encode(field_prompt("upper", TIMING_PHRASE))[: length // 2]
 
 
 def time_steps(cfg, graphdef, params, *, batch: int, length: int, block: int, prompt: list[int],

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(args.model, attention=args.attention)
     compiled = CompiledSteps(model.config, model.graphdef)
     latency = LatencyModel.from_profile(fake_profile())  # order only; every request has a loose deadline
-    names = ("sort", "repeat")  # short answers: one canvas bucket
+    names = tuple(n for n, t in TASKS.items() if t.gen_length == SHORT_AREA)  # one canvas bucket
     problems = [p for name in names
                 for p in unique_problems(name, "heldout", -(-args.requests // len(names)), seed=5)][:args.requests]
     engines = []

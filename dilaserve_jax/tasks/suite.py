@@ -109,11 +109,6 @@ def field_prompt(task_name: str, phrase: str) -> str:
     return f"{task_name} {phrase.ljust(UPPER_FIELD, FIELD_PAD)}="
 
 
-def upper_prompt(phrase: str) -> str:
-    """The `upper` prompt for a phrase."""
-    return field_prompt("upper", phrase)
-
-
 # --- multi-answer tasks --------------------------------------------------------------------------
 
 def _draw_repeat(rng):
