@@ -1,4 +1,4 @@
-"""The policies benchmark's per-task block lengths tile every answer area of the suite."""
+"""The policies benchmark: per-task block lengths tile every answer area, and the benchmark runs end to end."""
 import pytest
 
 from dilaserve_jax.tasks.suite import TASKS, task_block

@@ -72,6 +72,7 @@ class Bench:
         self.items = [Item(p, tuple(self.model.tokenizer.encode(p.prompt)), t.gen_length, task_block(t.gen_length))
                       for name, t in TASKS.items() for p in unique_problems(name, "heldout", cfg.per_task, cfg.seed)]
         self.lengths: dict[int, int] = {}  # answer length -> canvas length bucket (multiple of 64)
+        self.blocks = {it.answer: it.block for it in self.items}  # answer length -> block length
         for it in self.items:
             need = min(-(-(len(it.tokens) + it.answer) // 64) * 64, self.model.config.max_len)
             self.lengths[it.answer] = max(self.lengths.get(it.answer, 0), need)
@@ -92,17 +93,16 @@ class Bench:
         from dilaserve_jax.serving.latency import LatencyModel, Profile
         from dilaserve_jax.serving.profiling import measure_profile
         from dilaserve_jax.serving.runner import JaxRunner
-        from dilaserve_jax.tasks.suite import task_block
 
         m, cfg = self.model, self.cfg
         t0 = time.perf_counter()
         self.runner = JaxRunner(m.config, m.graphdef, m.params, num_slots=cfg.slots,
                                 length_buckets=tuple(sorted(set(self.lengths.values()))),
-                                block_buckets=tuple(sorted({it.block for it in self.items})), warm_up=False, progress=False)
+                                block_buckets=tuple(sorted(set(self.blocks.values()))), warm_up=False, progress=False)
         batches = self.runner.decoder.config.batch_buckets
         points, label = [], ""
         for answer, length in sorted(self.lengths.items()):  # also compiles exactly the shapes used
-            prof = measure_profile(self.runner, batches=batches, lengths=(length,), blocks=(task_block(answer),),
+            prof = measure_profile(self.runner, batches=batches, lengths=(length,), blocks=(self.blocks[answer],),
                                    repeats=3, progress=self.progress)
             points.extend(prof.points)
             label, device = prof.label, prof.device

@@ -39,7 +39,7 @@ def test_shipped_model_meets_the_quality_bar(heldout_rows):
 
 
 @pytest.mark.slow
-def test_low_threshold_mixes_multi_answer_problems_but_not_deterministic_ones():
+def test_low_threshold_mixes_the_answers_of_multi_answer_problems():
     # The trade-off the server manages: at tau = 0.3 the multi-answer tasks commit both answers'
     # letters at once and fail; sequential decoding (tau = 1.0) gets them right.
     model = load_model("tiny")
