@@ -1,0 +1,231 @@
+"""Quality-aware threshold control: accuracy model, loss budget and per-request evidence (fake runner, no JAX)."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import req
+from dilaserve_jax.serving.engine import Engine
+from dilaserve_jax.serving.fake_runner import FakeClock, FakeRunner
+from dilaserve_jax.serving.quality import AccuracyModel, QualityBudget, QualityConfig, curve_loss
+from dilaserve_jax.serving.request import Request, RequestState
+from dilaserve_jax.serving.scheduler import Scheduler, SchedulerConfig
+from dilaserve_jax.serving.threshold import (TAU_GRID, ThresholdConfig, accuracy_from_eval_json,
+                                             prior_from_eval_json, read_eval_rows)
+from dilaserve_jax.serving.types import StepKind
+
+TAUS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
+SAFE_ACC = dict(zip(TAUS, (0.95, 0.95, 0.95, 0.95, 0.95, 0.94)))
+RISKY_ACC = dict(zip(TAUS, (0.95, 0.95, 0.80, 0.50, 0.30, 0.20)))
+RATE = dict(zip(TAUS, (1.0, 2.0, 2.6, 3.2, 3.9, 4.7)))
+SAFE_SIG = (0, 0, 0, 0, 0, 0, 0, 0, 0.05, 0.95)
+RISKY_SIG = (0, 0, 0, 0, 0, 0.3, 0.3, 0.2, 0.1, 0.1)
+SAFE_COUNTS = (0, 0, 0, 0, 0, 0, 0, 0, 1, 15)  # a 16-token block at the first step
+RISKY_COUNTS = (0, 0, 0, 0, 0, 5, 5, 3, 2, 1)
+
+
+def eval_rows(answer_length=64):
+    rows = []
+    for task, acc, sig in (("safe", SAFE_ACC, SAFE_SIG), ("risky", RISKY_ACC, RISKY_SIG)):
+        for tau in TAUS:
+            rows.append({"task": task, "kind": "multi-answer", "threshold": tau, "accuracy": acc[tau],
+                         "tokens_per_step": RATE[tau], "steps": answer_length / RATE[tau], "n": 50,
+                         "answer_length": answer_length, "first_step_confidence": list(sig)})
+    return rows
+
+
+def counts_of(prompt):  # the fake runner's first-step histogram: first prompt token 1 = safe, 2 = risky
+    return SAFE_COUNTS if prompt[0] == 1 else RISKY_COUNTS
+
+
+def make(latency, budget, mode="adaptive", slots=4, **quality):
+    clock = FakeClock()
+    tcfg = ThresholdConfig.from_eval(eval_rows(), max_accuracy_drop=budget, budget_mode=mode)
+    if quality:
+        tcfg = ThresholdConfig.with_prior(dict(tcfg.prior), quality=QualityConfig(tcfg.quality.model,
+                                                                                   max_accuracy_drop=budget, **quality))
+    runner = FakeRunner(slots, clock, confidence=counts_of)
+    return Engine(runner, Scheduler(SchedulerConfig(slots, threshold=tcfg), latency), clock), clock
+
+
+def step_taus(engine):
+    return [t for _, _, taus in engine.runner.steps_run for t in taus]
+
+
+def burst(engine, n=12, slo=0.13, **kw):
+    hs = [engine.submit(req(f"r{i}", 0.0, slo + 0.004 * i, first_token=1 + i % 2, **kw)) for i in range(n)]
+    engine.run_until_idle()
+    return [h.result(0) for h in hs]
+
+
+# --- the eval rows ---
+
+def test_parser_reads_accuracy_pooled_like_the_speed_prior():
+    rows = [{"task": "a", "threshold": 0.9, "accuracy": 1.0, "tokens_per_step": 2.0, "steps": 6.0, "n": 10},
+            {"task": "b", "threshold": 0.9, "accuracy": 0.5, "tokens_per_step": 4.0, "steps": 3.0, "n": 30},
+            {"task": "mean:all", "kind": "summary", "threshold": 0.9, "accuracy": 0.0, "tokens_per_step": 9.0,
+             "steps": 1.0, "n": 40}]
+    assert accuracy_from_eval_json(rows) == {0.9: pytest.approx((10 * 1.0 + 30 * 0.5) / 40)}
+    assert prior_from_eval_json(rows) == {0.9: pytest.approx((2 * 60 + 4 * 90) / 150)}
+    assert accuracy_from_eval_json(rows, tasks=("b",)) == {0.9: 0.5}
+
+
+@pytest.mark.parametrize("reader", [read_eval_rows, prior_from_eval_json, accuracy_from_eval_json, AccuracyModel.from_eval])
+def test_parser_refuses_rows_without_accuracy(tmp_path, reader):
+    path = tmp_path / "speed_only.json"
+    path.write_text(json.dumps([{"task": "a", "threshold": 0.9, "tokens_per_step": 2.0, "steps": 6.0, "n": 10}]))
+    with pytest.raises(ValueError, match="accuracy") as err:
+        reader(path)
+    assert "speed_only.json" in str(err.value) and "row 0" in str(err.value)
+
+
+def test_shipped_eval_rows_give_both_priors_on_the_grid():
+    path = Path(__file__).parents[2] / "dilaserve_jax" / "assets" / "tiny" / "eval.json"
+    model = AccuracyModel.from_eval(path)
+    measured = {float(r["threshold"]) for r in read_eval_rows(path)}
+    assert {1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5} <= measured <= set(TAU_GRID)
+    assert {p.name for p in model.profiles} == {"sort", "upper", "repeat", "altcase"}
+    assert all(p.signature and p.answer_length for p in model.profiles)
+    assert set(prior_from_eval_json(path)) == measured
+
+
+# --- the accuracy model ---
+
+def test_loss_is_monotone_and_relative_to_tau_max():
+    bumpy = ((0.5, 0.7), (0.7, 0.99), (0.9, 0.9), (1.0, 0.95))  # better at 0.7 than at 1.0: no gain counted
+    assert curve_loss(bumpy, 1.0, 1.0) == 0.0
+    assert curve_loss(bumpy, 0.9, 1.0) == pytest.approx(5.0)
+    assert curve_loss(bumpy, 0.7, 1.0) == pytest.approx(5.0)
+    assert curve_loss(bumpy, 0.5, 1.0) == pytest.approx(25.0)
+    assert curve_loss(bumpy, 0.7, 0.7) == 0.0 and curve_loss(bumpy, 0.5, 0.7) == pytest.approx(29.0)
+
+
+def test_floor_is_the_lowest_tau_within_budget():
+    model = AccuracyModel.from_eval(eval_rows())  # pooled loss: 0.9 -> 0, 0.8 -> 7.5, 0.7 -> 22.5 points
+    grid = [t for t in TAU_GRID if t >= 0.5]
+    assert model.floor(0.0, 1.0, grid) == 0.9
+    assert model.floor(1.0, 1.0, grid) == 0.9
+    assert model.floor(8.0, 1.0, grid) == 0.8
+    assert model.floor(None, 1.0, grid) == 0.5
+
+
+def test_whole_request_at_one_tau_is_charged_its_loss():
+    budget = QualityBudget(QualityConfig(AccuracyModel.from_eval(eval_rows()), max_accuracy_drop=None))
+    r = Request("a", (2, 3), 64, 16, 0.0, 10.0)
+    r.transition(RequestState.RUNNING, 0.0)
+    expected = budget.loss(r, 0.7)
+    for n, fin in ((16, True), (10, False), (6, True), (20, False)):  # finishes before committing all 64
+        r.record_step(StepKind.REFRESH, 0.7, n, fin, 0.0, 0.0)
+        budget.charge(r, 0.7, n, finished=r.committed >= 52)
+    assert r.predicted_loss == pytest.approx(expected, rel=1e-9)
+
+
+def test_first_step_evidence_separates_risky_from_confident():
+    model = AccuracyModel.from_eval(eval_rows())
+    assert model.prior(64) == pytest.approx((0.5, 0.5))
+    safe, risky = model.posterior(64, SAFE_COUNTS), model.posterior(64, RISKY_COUNTS)
+    assert safe[0] > 0.99 and risky[1] > 0.99
+    budget = QualityBudget(QualityConfig(model))
+    a, b = Request("a", (1,), 64, 16, 0.0, 1.0), Request("b", (2,), 64, 16, 0.0, 1.0)
+    budget.set_evidence(a, SAFE_COUNTS)
+    budget.set_evidence(b, RISKY_COUNTS)
+    assert 0 < budget.loss(a, 0.6) < 1.0 < 50 < budget.loss(b, 0.6)  # never exactly free below the floor
+
+
+# --- the budget in the controller ---
+
+def test_budget_zero_keeps_every_request_at_or_above_the_floor(latency):
+    free, _ = make(latency, None)
+    burst(free)
+    assert min(step_taus(free)) < 0.9  # without a bound this overload lowers τ
+    engine, _ = make(latency, 0.0)
+    burst(engine)
+    assert min(step_taus(engine)) >= 0.9  # the budget-0 floor
+    assert engine.scheduler.quality().predicted_loss_mean == 0.0
+
+
+def stream(latency, budget, mode="adaptive", n=150, gap=0.02, check=None):
+    """A random stream (Poisson arrivals, random SLOs and lengths, half safe, half risky); returns
+    the results and the engine. `check(engine)` runs after every step."""
+    engine, clock = make(latency, budget, mode)
+    rng = np.random.default_rng(7)
+    handles, t = [], 0.0
+    for i in range(n):
+        t += float(rng.exponential(gap))
+        while clock() < t and engine.step_once():
+            if check:
+                check(engine)
+        clock.advance(max(0.0, t - clock()))
+        handles.append(engine.submit(req(f"q{i}", t, float(rng.uniform(0.03, 0.2)), answer=int(rng.choice([32, 64])),
+                                         first_token=int(rng.integers(1, 3)))))
+    engine.run_until_idle()
+    return [h.result(0) for h in handles], engine
+
+
+def test_mean_predicted_loss_stays_within_budget_over_a_long_random_stream(latency):
+    budget = 2.0
+
+    def running_mean_within_budget(engine):
+        assert engine.scheduler.controller.budget.allowance() >= -1e-9
+
+    results, engine = stream(latency, budget, check=running_mean_within_budget)
+    snap = engine.scheduler.quality()
+    assert snap.served == sum(r.state == RequestState.FINISHED_OK for r in results) == len(results)
+    assert 0.0 < snap.predicted_loss_mean <= budget + 1e-9
+    assert min(step_taus(engine)) < 0.9  # it did spend: some requests went below the fixed floor
+
+
+@pytest.mark.slow
+def test_spending_the_budget_on_evidence_beats_the_fixed_floor(latency):
+    floor, _ = stream(latency, 2.0, mode="floor")  # the fixed floor for 2 points is 0.9 here
+    adaptive, engine = stream(latency, 2.0)
+    assert engine.scheduler.quality().predicted_loss_mean <= 2.0
+    assert sum(r.deadline_met for r in adaptive) >= sum(r.deadline_met for r in floor) + 5
+
+
+def test_risky_request_keeps_a_higher_tau_than_a_confident_one_under_the_same_slack(latency):
+    sched = Scheduler(SchedulerConfig(4, threshold=ThresholdConfig.from_eval(eval_rows(), max_accuracy_drop=1.0)),
+                      latency)
+    ctrl = sched.controller
+    a, b = req("confident", 0.0, 1.0, first_token=1), req("risky", 0.0, 1.0, first_token=2)
+    a.evidence, b.evidence = SAFE_COUNTS, RISKY_COUNTS
+    need = max(ctrl.remaining_time(r, 0.6, 2, sched.step_time) for r in (a, b))
+    a.deadline = b.deadline = 1.05 * need  # both need τ ≈ 0.6 to make it
+    assert ctrl.remaining_time(a, 0.9, 2, sched.step_time) > a.deadline
+    plan = ctrl.plan([a, b], [], 0.0, 4, sched.step_time)
+    assert plan["confident"].tau < 0.9 <= plan["risky"].tau
+    assert not plan["confident"].at_risk and plan["risky"].at_risk
+
+
+def test_budget_never_overrides_tau_min(latency):
+    for budget, mode in ((None, "adaptive"), (100.0, "adaptive"), (100.0, "floor")):
+        engine, _ = make(latency, budget, mode)
+        results = burst(engine, tau_min=0.8)
+        assert min(step_taus(engine)) >= 0.8, (budget, mode)
+        assert all(r.state == RequestState.FINISHED_OK for r in results)
+
+
+def test_fixed_floor_mode_holds_everyone_at_the_floor(latency):
+    engine, _ = make(latency, 8.0, mode="floor")  # pooled loss 7.5 points at 0.8
+    burst(engine)
+    assert min(step_taus(engine)) == pytest.approx(0.8)
+
+
+def test_a_request_with_its_own_bound_is_held_to_it(latency):
+    engine, _ = make(latency, 50.0)  # the pool could afford a lot
+    strict = [req(f"s{i}", 0.0, 0.13 + 0.004 * i, first_token=1) for i in range(6)]
+    loose = [req(f"l{i}", 0.0, 0.13 + 0.004 * i, first_token=1) for i in range(6)]
+    for r in strict:
+        r.max_accuracy_drop = 0.0
+    for r in strict + loose:
+        engine.submit(r)
+    engine.run_until_idle()
+    assert all(s.tau >= 0.9 for r in strict for s in r.steps)
+    assert all(r.predicted_loss == 0.0 for r in strict)
+    assert min(s.tau for r in loose for s in r.steps) < 0.9
+
+
+def test_request_validates_its_bound():
+    with pytest.raises(ValueError, match="max_accuracy_drop"):
+        Request("a", (1,), 16, 16, 0.0, 1.0, max_accuracy_drop=-1.0)
