@@ -193,6 +193,7 @@ class Cluster:
     # --- moving requests ---
     def requeue(self, handoffs: Sequence[Handoff], reason: str, exclude: frozenset[str] = frozenset()) -> None:
         """Place requests taken off an instance on the others (their next step is a refresh)."""
+        settled: list[tuple[Future, Any]] = []  # futures are resolved outside the lock: their callbacks take it
         with self._lock:
             for h in handoffs:
                 tracked = self._inflight.get(h.request.id)
@@ -200,13 +201,17 @@ class Cluster:
                     continue
                 if h.request.id in self._abort_wanted:
                     h.request.transition(RequestState.FINISHED_ABORTED, self.clock())
-                    _resolve(h.future, RequestResult.of(h.request, tracked.instance))
+                    settled.append((h.future, RequestResult.of(h.request, tracked.instance)))
                     continue
                 try:
                     self._place_locked(tracked, h, exclude)
                 except NoInstanceAvailable as err:
-                    if not h.future.done():
-                        h.future.set_exception(err)
+                    settled.append((h.future, err))
+        for fut, outcome in settled:
+            if isinstance(outcome, BaseException):
+                _fail(fut, outcome)
+            else:
+                _resolve(fut, outcome)
         if handoffs:
             self.migrations[reason] = self.migrations.get(reason, 0) + len(handoffs)
             self._emit("migration", {"reason": reason, "count": len(handoffs)})
@@ -292,6 +297,14 @@ class Cluster:
         return {"layout": self.layout, "policy": self.policy, "model": self.model_source, "family": self.family,
                 "instances": instances, "failures": dict(self.failures), "migrations": dict(self.migrations),
                 "reloads": self.reloads, "in_flight": self.in_flight()}
+
+
+def _fail(fut: Future, err: BaseException) -> None:
+    if not fut.done():
+        try:
+            fut.set_exception(err)
+        except Exception:  # noqa: BLE001 - cancelled concurrently
+            pass
 
 
 def _resolve(fut: Future, value) -> None:

@@ -439,6 +439,7 @@ class Engine:
                 return False
             self._state = EngineState.FAILED
             self.error = error
+            self._snapshot = dataclasses.replace(self._snapshot, state=self._state, error=_describe(error))
             ops, self._ops = list(self._ops), deque()
             self._pending.clear()
             self._cv.notify_all()
@@ -507,9 +508,13 @@ class Engine:
     def _publish(self) -> None:
         load = self.scheduler.snapshot(self.clock())
         with self._cv:
-            err = None if self.error is None else f"{type(self.error).__name__}: {self.error}"
+            err = None if self.error is None else _describe(self.error)
             self._snapshot = EngineSnapshot(self.name, self._state, load, tuple(self._pending.values()),
                                             self.steps, err)
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 def _set_result(fut: Future, value) -> None:

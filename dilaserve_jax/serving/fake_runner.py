@@ -109,7 +109,10 @@ class FakeRunner:
         self.slots[slot] = st
 
     def reload(self, params) -> None:
+        """New "weights": later tokens change; every slot's next step must refresh (as the real runner)."""
         self.weights = int(params)
+        for st in self.slots.values():
+            st.needs_refresh = True
 
     def release(self, slot: int) -> None:
         if self.slots.pop(slot, None) is None:

@@ -38,7 +38,7 @@ class Router:
         """Name of the instance to send `request` to."""
         healthy = [s for s in snapshots if s.healthy and s.name not in exclude]
         if not healthy:
-            down = "; ".join(f"{s.name}: {s.state.name.lower()}" + (f" ({s.error})" if s.error else "")
-                             for s in snapshots)
+            down = "; ".join(f"{s.name}: " + ("unavailable" if s.healthy else s.state.name.lower())
+                             + (f" ({s.error})" if s.error else "") for s in snapshots)
             raise NoInstanceAvailable(f"no instance is serving ({down or 'none configured'})")
         return min(healthy, key=lambda s: predict_finish(s, request, now)).name
