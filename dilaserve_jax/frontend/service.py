@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 from typing import Iterable
 
 import grpc
@@ -28,10 +27,11 @@ UNAVAILABLE_ERRORS = (EngineUnavailable, NoInstanceAvailable)
 
 
 class DiLaServeService(pb_grpc.DiLaServeServicer):
-    def __init__(self, cluster, metrics=None, weights_roots_extra: Iterable[str | Path] = ()):
+    def __init__(self, cluster, metrics=None, weights_roots_extra: Iterable[str] = ()):
         self.cluster = cluster
         self.metrics = metrics
-        self._extra_roots = tuple(weights_roots_extra)
+        # fixed at start-up: the served model's directory then, plus the given ones
+        self.weights_roots = weights_roots(cluster.model_source, weights_roots_extra)
         self.draining = False
         self.in_flight = 0
         self._idle = asyncio.Event()
@@ -54,11 +54,6 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
     async def GetClusterState(self, request, context):
         await _check_parsed(request, context)
         return self._cluster_state()
-
-    @property
-    def weights_roots(self) -> tuple[Path, ...]:
-        """Where reloads may read from: the served model's directory plus --weights-root ones."""
-        return weights_roots(self.cluster.model_source, self._extra_roots)
 
     async def ReloadWeights(self, request, context):
         await _check_parsed(request, context)
