@@ -136,6 +136,8 @@ def test_serve_command_starts_answers_and_stops_on_sigterm(tmp_path):
         log = "".join(lines)
         assert port and "ready:" in log, log[-3000:]
         assert "presenting 8 CPU devices" in log and "2x4 = TP4[0-3] + TP4[4-7]" in log
+        assert "Unable to initialize backend" not in log and "auth: off" in log and "allowed on loopback" in log
+        assert "instance-1: compiling decode steps" in log  # the progress bar names its instance
         out = subprocess.run([sys.executable, "-m", "dilaserve_jax.client", "--target", f"127.0.0.1:{port}",
                               "--max-new-tokens", "12", "--block-length", "12", "--tau-min", "1", "--tau-max", "1",
                               "--json", "sort 93142="], capture_output=True, text=True, timeout=120)
