@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from dilaserve_jax.models.config import ModelConfig
+from dilaserve_jax.models.files import read_json
 from dilaserve_jax.models.llada import LLaDAModel
 
 # The one name table: HF key pattern -> (our parameter path, transpose torch [out, in] -> [in, out]).
@@ -69,7 +70,7 @@ def param_to_hf_key(path: tuple) -> tuple[str, bool]:
 def config_from_hf(path: str | Path, name: str | None = None, **overrides) -> ModelConfig:
     """Build a ModelConfig from a LLaDA config.json."""
     path = Path(path)
-    raw = json.loads((path / "config.json").read_text())
+    raw = read_json(path / "config.json")
     d_model, n_heads = raw["d_model"], raw["n_heads"]
     mlp = raw.get("mlp_hidden_size") or int(raw.get("mlp_ratio", 4) * d_model)
     values = dict(
@@ -92,7 +93,7 @@ def _shard_files(path: Path) -> dict[str, list[str]]:
     """Shard file -> the keys it holds."""
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index)["weight_map"]
         files: dict[str, list[str]] = {}
         for key, fname in weight_map.items():
             files.setdefault(fname, []).append(key)
