@@ -53,7 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", help="step-latency profile JSON (from `python -m dilaserve_jax.bench.profile`); "
                                      "measured at start-up when omitted")
     p.add_argument("--prior", help="eval rows (`python -m dilaserve_jax.tasks.eval --json`) for the threshold "
-                                   "controller's tokens-per-step prior; default: eval*.json beside the weights")
+                                   "controller's tokens-per-step and accuracy priors; default: eval*.json beside "
+                                   "the weights")
+    p.add_argument("--max-accuracy-drop", type=_points, default=1.0, metavar="PTS",
+                   help="bound on the mean predicted accuracy drop, in points vs the accuracy at tau_max, over the "
+                        "requests each instance serves ('inf' = unbounded; default 1.0); a request may set its own")
+    p.add_argument("--budget-mode", default="adaptive", choices=("adaptive", "floor"),
+                   help="adaptive: spend the budget per request on first-step evidence, where it buys deadlines; "
+                        "floor: the lowest τ within budget for everyone (default adaptive)")
     p.add_argument("--auth-token", default=os.environ.get("DILASERVE_AUTH_TOKEN"),
                    help="require 'authorization: Bearer TOKEN' on every call (or set DILASERVE_AUTH_TOKEN)")
     p.add_argument("--admin-token", default=os.environ.get("DILASERVE_ADMIN_TOKEN"),
@@ -68,6 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace-s", type=float, default=30.0, help="on SIGINT/SIGTERM, seconds to let calls finish (default 30)")
     add_distributed_args(p)
     return p
+
+
+def _points(text: str) -> float | None:
+    if text.lower() in ("inf", "none", "unbounded"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected points >= 0 or 'inf', got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected points >= 0 or 'inf', got {text!r}")
+    return value
 
 
 def present_cpu_devices(mesh: str, processes: int) -> int:
@@ -108,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                              default_slo_ms=args.default_slo_ms, tau_min=args.tau_min, tau_max=args.tau_max,
                              profile=args.profile, prior=args.prior,
                              default_max_new_tokens=args.default_max_new_tokens,
-                             step_timeout_s=args.step_timeout_s or None)
+                             step_timeout_s=args.step_timeout_s or None,
+                             max_accuracy_drop=args.max_accuracy_drop, budget_mode=args.budget_mode)
         options = ServerOptions(host=args.host, port=args.port,
                                 metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                                 auth_token=args.auth_token, admin_token=args.admin_token,

@@ -24,9 +24,11 @@ from dilaserve_jax.serving.cluster import Cluster, IncompatibleWeights, Instance
 from dilaserve_jax.serving.engine import Engine
 from dilaserve_jax.serving.latency import LatencyModel, Profile
 from dilaserve_jax.serving.limits import Limits
+from dilaserve_jax.serving.quality import BUDGET_MODES
 from dilaserve_jax.serving.runner import JaxRunner
 from dilaserve_jax.serving.scheduler import POLICIES, Scheduler, SchedulerConfig
-from dilaserve_jax.serving.threshold import ThresholdConfig, eval_rows_beside, prior_from_eval_json
+from dilaserve_jax.serving.threshold import (ThresholdConfig, accuracy_from_eval_json, eval_rows_beside,
+                                             prior_from_eval_json, read_eval_rows)
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +52,9 @@ class ServeConfig:
     tau_max: float = defaults.DEFAULT_TAU_MAX
     step_timeout_s: float | None = defaults.DEFAULT_STEP_TIMEOUT_S  # watchdog; None disables
     profile: str | None = None  # latency profile JSON; default: measured on the instances at start-up
-    prior: str | None = None  # eval --json rows for the τ -> tokens/step prior; default: eval*.json beside the weights
+    prior: str | None = None  # eval --json rows for the τ priors (speed, accuracy); default: eval*.json beside the weights
+    max_accuracy_drop: float | None = 1.0  # mean predicted accuracy loss bound, points vs τ_max; None: unbounded
+    budget_mode: str = "adaptive"  # "adaptive" (evidence, pooled budget) or "floor" (fixed floor)
     allow_unused_devices: bool = False
 
     def __post_init__(self):
@@ -71,6 +75,10 @@ class ServeConfig:
             raise ValueError(f"need 0 < tau_min <= tau_max <= 1, got {self.tau_min}, {self.tau_max}")
         if self.step_timeout_s is not None and self.step_timeout_s <= 0:
             raise ValueError(f"step timeout must be positive, got {self.step_timeout_s}")
+        if self.max_accuracy_drop is not None and not 0 <= self.max_accuracy_drop < float("inf"):
+            raise ValueError(f"max accuracy drop must be a finite number of points >= 0, got {self.max_accuracy_drop}")
+        if self.budget_mode not in BUDGET_MODES:
+            raise ValueError(f"budget mode must be one of {BUDGET_MODES}, got {self.budget_mode!r}")
 
 
 @dataclass
@@ -176,14 +184,20 @@ def _describe(c) -> str:
 
 
 def _threshold_config(cfg: ServeConfig, source: str, say) -> ThresholdConfig:
-    """The τ -> tokens/step prior measured by the eval command, when there is one; else the default."""
+    """The τ -> tokens/step and τ -> accuracy priors measured by the eval command, with the accuracy-loss
+    budget, when there are eval rows; else the built-in speed prior and no budget (it cannot be priced)."""
     path = cfg.prior or eval_rows_beside(source)
     if path is None:
-        say("threshold prior: built-in default (no eval rows beside the weights; pass --prior eval.json)")
+        say("threshold prior: built-in default (no eval rows beside the weights; pass --prior eval.json); "
+            "accuracy budget NOT enforced: no accuracy model")
         return ThresholdConfig()
-    prior = prior_from_eval_json(path)
-    say(f"threshold prior from {path}: " + ", ".join(f"τ={t:g} {v:.2f} tok/step" for t, v in prior.items()))
-    return ThresholdConfig.with_prior(prior)
+    rows = read_eval_rows(path)  # refuses rows without accuracy
+    prior, acc = prior_from_eval_json(rows), accuracy_from_eval_json(rows)
+    say(f"threshold priors from {path}: " + ", ".join(f"τ={t:g} {v:.2f} tok/step {100 * acc[t]:.1f}%"
+                                                     for t, v in prior.items()))
+    budget = "unbounded" if cfg.max_accuracy_drop is None else f"{cfg.max_accuracy_drop:g} points"
+    say(f"accuracy budget: {budget} mean predicted drop vs τ_max ({cfg.budget_mode})")
+    return ThresholdConfig.from_eval(rows, max_accuracy_drop=cfg.max_accuracy_drop, budget_mode=cfg.budget_mode)
 
 
 def _provisional_latency() -> LatencyModel:

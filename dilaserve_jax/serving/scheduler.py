@@ -114,6 +114,7 @@ class LoadSnapshot:
     running_left: tuple[float, ...]  # predicted seconds to finish, running requests
     waiting_left: tuple[float, ...]  # predicted seconds of work, queued requests
     estimator: RequestEstimator | None = None
+    quality: QualitySnapshot | None = None  # accuracy-loss budget accounting
 
 
 class Scheduler:
@@ -376,7 +377,7 @@ class Scheduler:
             d = self.decisions.get(r.id)
             return self.request_time(r, b, d.tau if d else self._tau(r))
         return LoadSnapshot(now, self.cfg.num_slots, self.cfg.tp, tuple(left(r) for r in self.running.values()),
-                            tuple(left(r) for r in self.waiting), self.estimator())
+                            tuple(left(r) for r in self.waiting), self.estimator(), self.quality())
 
     def estimator(self) -> RequestEstimator:
         taus = tuple(sorted(set(self.controller.cfg.grid)))
