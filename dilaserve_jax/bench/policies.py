@@ -67,12 +67,15 @@ class BenchConfig:
         if not self.budgets or any(b is not None and not (0 <= b < math.inf) for b in self.budgets):
             raise ValueError(f"budgets must be points >= 0 (or unbounded), got {self.budgets}")
 
-    def runs(self) -> list[tuple[str, float | None, str]]:
-        """(policy, budget, mode) of every run at one rate."""
+    def runs(self, floor_of=None) -> list[tuple[str, float | None, str]]:
+        """(policy, budget, mode) of every run at one rate. The fixed floor runs only at the budgets
+        whose floor lies below the budget-0 floor (`floor_of(budget) -> τ`); elsewhere it is the
+        budget-0 policy."""
         out = [("fcfs-static", None, "-"), ("edf-static", None, "-")]
         out += [("dilaserve", b, "adaptive") for b in self.budgets]
         if self.floor_baseline:
-            out += [("dilaserve", b, "floor") for b in self.budgets if b is not None and b > 0]
+            out += [("dilaserve", b, "floor") for b in self.budgets if b is not None and b > 0
+                    and (floor_of is None or floor_of(b) < floor_of(0.0))]
         return out
 
 
@@ -130,6 +133,17 @@ class Bench:
         if self.rows is None:
             return ThresholdConfig()
         return ThresholdConfig.from_eval(self.rows, max_accuracy_drop=budget, budget_mode=mode if mode != "-" else "adaptive")
+
+    def floor_of(self):
+        """budget -> the fixed floor at this benchmark's τ range (None without an accuracy model)."""
+        if self.rows is None:
+            return None
+        from dilaserve_jax.serving.quality import AccuracyModel
+        from dilaserve_jax.serving.threshold import TAU_GRID
+
+        model, cfg = AccuracyModel.from_eval(self.rows), self.cfg
+        grid = sorted({t for t in TAU_GRID if cfg.tau_min <= t <= cfg.tau_max} | {cfg.tau_min, cfg.tau_max})
+        return lambda budget: model.floor(budget, cfg.tau_max, grid)
 
     def build(self) -> None:
         from dilaserve_jax.serving.latency import LatencyModel, Profile
@@ -254,12 +268,17 @@ def run(cfg: BenchConfig, say, progress: bool) -> tuple[list[dict], dict, dict]:
             "pool": len(bench.items), "pool_skip": cfg.pool_skip, "slots": cfg.slots, "slo_range": list(cfg.slo_range),
             "duration": cfg.duration, "tau_range": [cfg.tau_min, cfg.tau_max], "static_tau": cfg.static_tau,
             "reference_accuracy": float(np.mean(bench.reference)), "latency_model": bench.latency.label,
-            "fit": str(bench.latency.report)}
+            "fit": str(bench.latency.report), "host_load_at_start": os.getloadavg()[0], "host_cpus": os.cpu_count()}
     say(f"capacity at τ={cfg.static_tau}: {cap:.2f} req/s with {cfg.slots} slots; idle latency mean "
         f"{info['idle_latency_mean'] * 1e3:.0f} ms, max {info['idle_latency_max'] * 1e3:.0f} ms; pool of "
         f"{len(bench.items)} valid at τ={cfg.static_tau}: {100 * info['reference_accuracy']:.1f}%")
     rates = cfg.rates or tuple(round(f * cap, 2) for f in cfg.load_factors)
-    runs = cfg.runs()
+    floor_of = bench.floor_of()
+    if floor_of is not None:
+        info["fixed_floor"] = {budget_label(b): floor_of(b) for b in cfg.budgets}
+        say("fixed floor per budget (lowest τ whose pooled loss vs τ_max is within it): "
+            + ", ".join(f"{k}: {v:g}" for k, v in info["fixed_floor"].items()))
+    runs = cfg.runs(floor_of)
     rows, records = [], {}
     for k, rate in enumerate(rates):
         trace = bench.trace(rate, idle, k)
@@ -272,6 +291,7 @@ def run(cfg: BenchConfig, say, progress: bool) -> tuple[list[dict], dict, dict]:
             records[key] = recs
             by_run[(policy, budget, mode)] = summarise(policy, budget, mode, rate, recs, bench.last_quality,
                                                        bench.last_busy, bench.last_wall)
+            by_run[(policy, budget, mode)]["host_load"] = os.getloadavg()[0]  # other jobs on the machine
         base = by_run[("fcfs-static", None, "-")]
         for run_key in runs:
             row = by_run[run_key] | {"load": rate / cap}

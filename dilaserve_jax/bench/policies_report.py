@@ -72,6 +72,9 @@ def headline(rows: list[dict]) -> str:
         for label, mode, budget in (("budget 1 point", "adaptive", 1.0), ("budget 0 (scheduling alone)", "adaptive", 0.0),
                                     ("fixed floor, 1 point", "floor", 1.0), ("unbounded", "adaptive", None)):
             d = _find(rows, rate, "dilaserve", mode, budget)
+            if d is None and mode == "floor":  # its floor is the budget-0 floor: that run is this policy
+                d = _find(rows, rate, "dilaserve", "adaptive", 0.0)
+                label += " (= budget 0: same floor)"
             if d is None:
                 continue
             lines.append(f"  dilaserve {label}: {100 * d['slo_gain']:+.1f} points SLO attainment, mean latency "
