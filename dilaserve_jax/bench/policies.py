@@ -372,11 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         say(f"error: {err}")
         return 2
-    if args.json:
+    report = f"{format_table(rows)}\n{headline(rows)}"
+    if args.json:  # the table and headline still go to stderr
         print(json.dumps({"info": info, "rows": rows, "requests": records}))
+        say(report)
     else:
-        print(format_table(rows))
-        print(headline(rows))
+        print(report)
     if args.plot:
         plot_rates(rows, info, args.plot)
         say(f"wrote {args.plot}")

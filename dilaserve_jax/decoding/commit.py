@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 # Bins of the per-step confidence histogram (uniform over [0, 1]); the threshold controller reads
 # a request's first-step histogram as evidence of how risky a lower τ is for it.
-CONFIDENCE_BINS = 10
+CONFIDENCE_BINS = 20  # edges on every multiple of 0.05, so the τ grid's points fall on them
 
 
 def propose(logits, mask_id: int, temperature, keys):

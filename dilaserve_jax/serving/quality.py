@@ -16,11 +16,14 @@ signature, tempered because the positions of one request are not independent). A
 (`prior_weight`) always stays on the pooled prior: evidence is never conclusive, so a τ whose
 pooled loss is positive never costs a request exactly nothing.
 
-Loss over a request's life: the loss of running a whole request at τ is spread over its answer
-positions as a constant per-position hazard, so a step that commits n of A positions at τ keeps
-(1 − loss(τ))^(n/A) of the request's survival; its predicted loss is 1 − Π over its steps (the
-last step also covers the positions after its first EOS, so a request run at one τ throughout is
-charged exactly loss(τ)).
+Loss over a request's life: a step at τ below τ_max changes the answer only if it commits a
+position τ_max would not have: a masked position with confidence in (τ, τ_max], other than the
+most confident one (committed at any τ). The step's confidence histogram says how many there were;
+a step that changed nothing leaves the request exactly on its τ_max trajectory and costs nothing.
+A step that did change commits charges the request the loss of running it wholly at that τ (the
+eval rows measure nothing finer, and the positions a lower τ adds are exactly the uncertain ones,
+so spreading the loss over the tokens would undercount it): a request's predicted loss is the
+largest loss(τ) over its steps that changed commits.
 
 Budget (`QualityBudget`): the mean predicted loss over the requests an instance serves stays
 within `max_accuracy_drop` points. Every request in the pool brings that many points of
@@ -149,6 +152,18 @@ class AccuracyModel:
         return tuple(curve_loss(p.curve, tau, ref) for p in self.profiles)
 
 
+def changed_commits(counts: Sequence[int], max_confidence: float | None, tau: float, ref: float) -> int:
+    """Masked positions a step at τ commits that a step at τ_ref > τ would not: confidence in (τ, τ_ref],
+    less the most confident one (committed at any τ). Counted from the histogram's bins that overlap
+    [τ, τ_ref] (exact when both lie on bin edges, else an overcount)."""
+    k = len(counts)
+    lo, hi = math.floor(tau * k + 1e-9), min(k - 1, math.ceil(ref * k - 1e-9) - 1)
+    band = sum(counts[max(0, lo):hi + 1]) if hi >= lo else 0
+    if band and max_confidence is not None and tau < max_confidence <= ref:
+        band -= 1  # the argmax sits in the band: it is committed at τ_ref too
+    return band
+
+
 def _same_bins(signature: Sequence[float], counts: Sequence[int]) -> tuple[list[float], list[int]]:
     """Bring a signature and a histogram to the same (coarser) uniform bins; ([], []) if impossible."""
     ns, nc = len(signature), len(counts)
@@ -255,12 +270,8 @@ class QualityBudget:
         return sum(w * x for w, x in zip(self.weights(req), table))
 
     def cost(self, req, tau: float) -> float:
-        """Predicted loss (points) added if the rest of the request runs at τ."""
-        left = max(0, req.answer_length - req.committed)
-        if left == 0:
-            return 0.0
-        keep = (1.0 - min(100.0, self.loss(req, tau)) / 100.0) ** (left / req.answer_length)
-        return (100.0 - req.predicted_loss) * (1.0 - keep)
+        """Predicted loss (points) added if the request's next steps run at τ and change commits."""
+        return max(0.0, self.loss(req, tau) - req.predicted_loss)
 
     def floor(self, req, candidates: Sequence[float]) -> float:
         """The fixed floor: lowest candidate whose pooled loss is within the request's budget."""
@@ -282,12 +293,14 @@ class QualityBudget:
             req.evidence = tuple(int(c) for c in counts)
             self._weights.pop(req.id, None)
 
-    def charge(self, req, tau: float, n_committed: int, finished: bool) -> float:
-        """Charge one step's commits at τ (after `req.committed` was advanced); returns the points added."""
-        n = n_committed + (max(0, req.answer_length - req.committed) if finished else 0)
-        keep = (1.0 - min(100.0, self.loss(req, tau)) / 100.0) ** (min(n, req.answer_length) / req.answer_length)
-        added = (100.0 - req.predicted_loss) * (1.0 - keep)
-        req.predicted_loss += added
+    def charge(self, req, tau: float, counts: Sequence[int] = (), max_confidence: float | None = None) -> float:
+        """Charge one step run at τ, given its confidence histogram (before commit) and highest
+        confidence; returns the points added. Without a histogram the step is assumed to have changed
+        commits."""
+        added = 0.0
+        if tau < req.tau_max and (not counts or changed_commits(counts, max_confidence, tau, req.tau_max) > 0):
+            added = max(0.0, self.loss(req, tau) - req.predicted_loss)
+            req.predicted_loss += added
         self.join(req)
         if req.id in self.pooled_active:
             self.pooled_active[req.id] = req.predicted_loss

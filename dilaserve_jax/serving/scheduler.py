@@ -319,7 +319,7 @@ class Scheduler:
                 raise ValueError(f"outcome for slot {o.slot} does not match plan request {rid}")
             req.record_step(plan.kind, tau, o.n_committed, o.block_finished, now, duration, o.positions, o.tokens)
             self.controller.observe(req, tau, o.n_committed, o.block_finished or o.request_finished,
-                                    finished=o.request_finished, confidence_counts=o.confidence_counts)
+                                    confidence_counts=o.confidence_counts, max_confidence=o.max_confidence)
             if o.request_finished:
                 self._finish(req, RequestState.FINISHED_OK, now)
                 done.append(req)

@@ -245,10 +245,11 @@ class ThresholdController:
 
     # --- online estimates ---
     def observe(self, req: Request, tau: float, n_committed: int, block_finished: bool, *,
-                finished: bool = False, confidence_counts: Sequence[int] = ()) -> None:
-        """One step's result (after `req.record_step`): rates, and the quality charge and evidence."""
+                confidence_counts: Sequence[int] = (), max_confidence: float | None = None) -> None:
+        """One step's result (after `req.record_step`): rates; the quality charge (from the step's
+        confidence histogram and highest confidence) and the request's first-step evidence."""
         if self.budget is not None:
-            self.budget.charge(req, tau, n_committed, finished)  # at the weights the τ was chosen with
+            self.budget.charge(req, tau, confidence_counts, max_confidence)  # at the weights τ was chosen with
             self.budget.set_evidence(req, confidence_counts)
         if block_finished:  # commits capped by the block end say nothing about the rate
             return

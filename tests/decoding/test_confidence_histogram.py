@@ -9,13 +9,13 @@ GEN, BLOCK = 40, 16
 
 
 def test_histogram_counts_masked_positions_per_bin():
-    conf = jnp.array([[0.05, 0.55, 0.551, 0.999, 1.0, 0.3], [0.0, 0.1, 0.2, 0.95, 0.95, 0.95]], jnp.float32)
+    assert CONFIDENCE_BINS == 20  # edges on multiples of 0.05: the τ grid's points
+    conf = jnp.array([[0.07, 0.56, 0.57, 0.999, 1.0, 0.3], [0.0, 0.1, 0.2, 0.97, 0.97, 0.97]], jnp.float32)
     masked = jnp.array([[True, True, True, True, True, False], [False, False, False, True, True, False]])
     got = np.asarray(confidence_histogram(masked, conf))
     want = np.zeros((2, CONFIDENCE_BINS), np.int32)
-    want[0, [0, 5, 5, 9, 9]] = [1, 1, 1, 1, 1]  # bin 5 twice, 0.999 and exactly 1.0 both in the last bin
-    want[0, 5], want[0, 9] = 2, 2
-    want[1, 9] = 2
+    want[0, 1], want[0, 11], want[0, 19] = 1, 2, 2  # 0.999 and exactly 1.0 both in the last bin
+    want[1, 19] = 2  # unmasked positions are not counted
     np.testing.assert_array_equal(got, want)
 
 

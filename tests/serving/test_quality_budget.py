@@ -8,7 +8,7 @@ import pytest
 from conftest import req
 from dilaserve_jax.serving.engine import Engine
 from dilaserve_jax.serving.fake_runner import FakeClock, FakeRunner
-from dilaserve_jax.serving.quality import AccuracyModel, QualityBudget, QualityConfig, curve_loss
+from dilaserve_jax.serving.quality import AccuracyModel, QualityBudget, QualityConfig, changed_commits, curve_loss
 from dilaserve_jax.serving.request import Request, RequestState
 from dilaserve_jax.serving.scheduler import Scheduler, SchedulerConfig
 from dilaserve_jax.serving.threshold import (TAU_GRID, ThresholdConfig, accuracy_from_eval_json,
@@ -110,15 +110,27 @@ def test_floor_is_the_lowest_tau_within_budget():
     assert model.floor(None, 1.0, grid) == 0.5
 
 
-def test_whole_request_at_one_tau_is_charged_its_loss():
+def test_a_step_that_changes_no_commit_is_free_and_one_that_does_costs_the_whole_loss():
     budget = QualityBudget(QualityConfig(AccuracyModel.from_eval(eval_rows()), max_accuracy_drop=None))
-    r = Request("a", (2, 3), 64, 16, 0.0, 10.0)
-    r.transition(RequestState.RUNNING, 0.0)
-    expected = budget.loss(r, 0.7)
-    for n, fin in ((16, True), (10, False), (6, True), (20, False)):  # finishes before committing all 64
-        r.record_step(StepKind.REFRESH, 0.7, n, fin, 0.0, 0.0)
-        budget.charge(r, 0.7, n, finished=r.committed >= 52)
-    assert r.predicted_loss == pytest.approx(expected, rel=1e-9)
+    r = Request("a", (2, 3), 64, 16, 0.0, 10.0, tau_max=0.9)
+    sure = [0] * 20
+    sure[19] = 16  # every masked position above 0.95: τ 0.7 commits what τ_max would
+    assert budget.charge(r, 0.7, sure, 0.99) == 0.0 and r.predicted_loss == 0.0
+    unsure = list(sure)
+    unsure[15], unsure[19] = 3, 1  # three in [0.75, 0.8): committed at 0.7, not at 0.9
+    assert budget.charge(r, 0.7, unsure, 0.97) == pytest.approx(budget.loss(r, 0.7))
+    assert budget.charge(r, 0.7, unsure, 0.97) == 0.0  # the whole-request loss at 0.7 is charged once
+    assert budget.charge(r, 0.6, (), None) == pytest.approx(budget.loss(r, 0.6) - budget.loss(r, 0.7))
+    assert r.predicted_loss == pytest.approx(budget.loss(r, 0.6))  # no histogram: assumed changed
+
+
+def test_changed_commits_leave_out_the_argmax():
+    counts = [0] * 20
+    counts[17] = 1  # one position in [0.85, 0.9), and it is the most confident: committed at 0.9 as well
+    assert changed_commits(counts, 0.87, 0.85, 0.9) == 0
+    counts[16] = 2
+    assert changed_commits(counts, 0.87, 0.8, 0.9) == 2
+    assert changed_commits(counts, 0.95, 0.8, 0.9) == 3
 
 
 def test_first_step_evidence_separates_risky_from_confident():

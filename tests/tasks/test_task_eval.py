@@ -1,6 +1,7 @@
 """Evaluation: option validation, rows and table; the fast decoder is wired in."""
 import pytest
 
+from dilaserve_jax.decoding.commit import CONFIDENCE_BINS
 from dilaserve_jax.models import load_model
 from dilaserve_jax.tasks.eval import EvalConfig, evaluate, format_table, main, summary_rows
 
@@ -34,7 +35,7 @@ def test_evaluate_rows_have_the_documented_keys():
         assert 0.0 <= r["accuracy"] <= 1.0 and r["steps"] >= 1 and r["tokens_per_step"] >= 1.0
         assert r["answer_length"] == 12
         # first-step signature: shares per confidence bin of the first block's masked positions
-        assert len(r["first_step_confidence"]) == 10 and abs(sum(r["first_step_confidence"]) - 1.0) < 1e-3
+        assert len(r["first_step_confidence"]) == CONFIDENCE_BINS and abs(sum(r["first_step_confidence"]) - 1.0) < 1e-3
     assert task_rows[0]["first_step_confidence"] == task_rows[1]["first_step_confidence"]  # τ-independent
 
 
