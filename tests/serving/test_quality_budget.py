@@ -241,3 +241,21 @@ def test_a_request_with_its_own_bound_is_held_to_it(latency):
 def test_request_validates_its_bound():
     with pytest.raises(ValueError, match="max_accuracy_drop"):
         Request("a", (1,), 16, 16, 0.0, 1.0, max_accuracy_drop=-1.0)
+
+
+def test_a_published_table_without_tasks_gives_a_pooled_model(latency):
+    # e.g. a paper's τ -> accuracy table: summary rows only, no per-task profiles, no signatures
+    table = [{"task": "mean:all", "kind": "summary", "threshold": t, "accuracy": a, "tokens_per_step": r,
+              "steps": 64 / r, "n": 100} for t, a, r in ((1.0, 0.80, 1.0), (0.9, 0.80, 2.0), (0.7, 0.78, 3.2),
+                                                          (0.5, 0.70, 4.7))]
+    model = AccuracyModel.from_eval(table)
+    assert model.profiles == () and model.loss(0.7, 1.0) == pytest.approx(2.0)
+    budget = QualityBudget(QualityConfig(model, max_accuracy_drop=1.0))
+    r = Request("a", (1,), 64, 16, 0.0, 1.0)
+    assert budget.loss(r, 0.7) == pytest.approx(2.0) and budget.cost(r, 0.9) == 0.0
+    clock = FakeClock()
+    sched = Scheduler(SchedulerConfig(4, threshold=ThresholdConfig.from_eval(table, max_accuracy_drop=1.0)), latency)
+    engine = Engine(FakeRunner(4, clock), sched, clock)
+    results = burst(engine, n=16)
+    assert all(res.state == RequestState.FINISHED_OK for res in results)
+    assert 0.0 < sched.quality().predicted_loss_mean <= 1.0 + 1e-9  # spent, within the bound
