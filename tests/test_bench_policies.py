@@ -15,13 +15,14 @@ def test_untileable_answer_area_is_rejected():
         task_block(40)
 
 
-@pytest.mark.slow  # ~40 s on 2 CPU cores: profiles and compiles the shapes of one small pool
-def test_policies_benchmark_runs_end_to_end_on_the_shipped_model(capsys):
+@pytest.mark.slow  # ~40 s each on 2 CPU cores: profiles and compiles the shapes of one small pool
+@pytest.mark.parametrize("clock", ["real", "modeled"])
+def test_policies_benchmark_runs_end_to_end_on_the_shipped_model(capsys, clock):
     import json
 
     from dilaserve_jax.bench.policies import budget_label, main
 
-    assert main(["--per-task", "1", "--duration", "0.5", "--rates", "4", "--slots", "2",
+    assert main(["--per-task", "1", "--duration", "0.5", "--rates", "4", "--slots", "2", "--clock", clock,
                  "--max-accuracy-drop", "0", "5", "inf", "--no-progress", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     rows = out["rows"]

@@ -15,6 +15,12 @@ policies on one real instance (Engine + JaxRunner, real clock, in-process, no ne
 
 The pool skips the held-out problems the shipped eval rows were measured on (`--pool-skip`), so the
 accuracy model is never tested on the problems it was calibrated with.
+
+Clocks: `--clock real` (default) serves in real time, so other jobs on the machine slow the steps
+and the scheduling alike. `--clock modeled` runs the same real steps (the same tokens, the same
+graded answers) but advances a virtual clock by each step's measured time from the start-up
+profile (its (kind, batch, canvas, block) shape), so a run is reproducible and other load cannot
+touch it; host-side scheduling time is then not counted.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ import numpy as np
 from dilaserve_jax.bench.policies_report import format_table, headline, plot_pareto, plot_rates, summarise
 
 DEFAULT_BUDGETS = (0.0, 0.5, 1.0, 2.0, 5.0, None)  # points; None: unbounded
+CLOCKS = ("real", "modeled")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,11 +56,15 @@ class BenchConfig:
     budgets: tuple[float | None, ...] = DEFAULT_BUDGETS
     floor_baseline: bool = True  # also run the fixed floor at the finite positive budgets
     prior: str | None = None  # eval --json rows; default: the model directory's eval.json if present
-    profile: str | None = None  # measured profile JSON; default: measured here
+    profile: str | None = None  # profile JSON for the latency model (and the modeled clock); default: measured here
+    save_profile: str | None = None  # write the profile measured at start-up here
     seed: int = 0
     attention: str = "auto"
+    clock: str = "real"  # "real" or "modeled" (virtual clock advanced by each step's profiled time)
 
     def __post_init__(self):
+        if self.clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {CLOCKS}, got {self.clock!r}")
         if self.duration <= 0 or self.slots < 1 or self.per_task < 1 or self.pool_skip < 0:
             raise ValueError("duration, slots and per_task must be positive, pool_skip >= 0")
         if not (0 < self.slo_range[0] <= self.slo_range[1]):
@@ -85,6 +96,45 @@ class Item:
     tokens: tuple[int, ...]
     answer: int
     block: int
+
+
+class ProfiledTimeRunner:
+    """The real runner, with a virtual clock advanced by each step's measured time: the profile's
+    median for the step's (kind, batch bucket, canvas bucket, block bucket), else the latency model's
+    prediction. Tokens and answers are the real runner's."""
+
+    def __init__(self, runner, clock, step_seconds: dict, latency) -> None:
+        from dilaserve_jax.decoding.buckets import bucket_for
+
+        self.runner, self.clock, self.step_seconds, self.latency = runner, clock, step_seconds, latency
+        self.num_slots, self.tp_degree = runner.num_slots, runner.tp_degree
+        cfg = runner.decoder.config
+        self._bucket = lambda n, buckets: bucket_for(n, buckets)
+        self._lengths, self._blocks, self._batches = cfg.length_buckets, cfg.block_buckets, cfg.batch_buckets
+        self._shape: dict[int, tuple[int, int]] = {}  # slot -> (canvas bucket, block bucket)
+
+    def admit(self, slot, prompt_tokens, answer_length, block_length, **kw) -> None:
+        self.runner.admit(slot, prompt_tokens, answer_length, block_length, **kw)
+        self._shape[slot] = (self._bucket(len(prompt_tokens) + answer_length, self._lengths),
+                             self._bucket(block_length, self._blocks))
+
+    def release(self, slot) -> None:
+        self.runner.release(slot)
+        self._shape.pop(slot, None)
+
+    def step(self, kind, slots, taus):
+        out = self.runner.step(kind, slots, taus)
+        batch = self._bucket(len(slots), self._batches)
+        canvas = max(self._shape[s][0] for s in slots)
+        block = max(self._shape[s][1] for s in slots)
+        seconds = self.step_seconds.get((kind, batch, canvas, block))
+        if seconds is None:
+            seconds = self.latency.predict(kind, batch, canvas, block, self.tp_degree)
+        self.clock.advance(seconds)
+        return out
+
+    def answer(self, slot):
+        return self.runner.answer(slot)
 
 
 def budget_label(budget: float | None) -> str:
@@ -162,13 +212,16 @@ class Bench:
                                    repeats=3, progress=self.progress)
             points.extend(prof.points)
             label, device = prof.label, prof.device
-        if cfg.profile:
-            self.latency = LatencyModel.from_profile(cfg.profile)
-            self.say(f"latency model from {cfg.profile}")
-        else:
-            self.profile = Profile(label, False, device, m.config.name, tuple(points))
-            self.latency = LatencyModel.from_profile(self.profile)
-            self.say(f"measured {len(points)} profile points ({label}); fit {self.latency.report}")
+        measured = Profile(label, False, device, m.config.name, tuple(points))
+        if cfg.save_profile:
+            measured.save(cfg.save_profile)
+            self.say(f"wrote the measured profile to {cfg.save_profile}")
+        self.profile = Profile.load(cfg.profile) if cfg.profile else measured
+        self.latency = LatencyModel.from_profile(self.profile)
+        self.step_seconds = {(p.kind, p.batch, p.canvas, p.block): p.seconds for p in self.profile.points}
+        source = cfg.profile or f"{len(points)} points measured now ({label})"
+        self.say(f"latency model{' and modeled step times' if cfg.clock == 'modeled' else ''} from {source}; "
+                 f"fit {self.latency.report}")
         self.say(f"compiled and profiled in {time.perf_counter() - t0:.1f} s")
 
     # --- one serving run ---
@@ -184,7 +237,14 @@ class Bench:
         cfg = self.cfg
         sched = Scheduler(SchedulerConfig(cfg.slots, policy=policy, static_tau=cfg.static_tau, max_queue=10_000,
                                           threshold=self.threshold_config(budget, mode)), self.latency)
-        engine = Engine(self.runner, sched)
+        if cfg.clock == "modeled":
+            from dilaserve_jax.serving.fake_runner import FakeClock
+
+            clock = FakeClock()
+            engine = Engine(ProfiledTimeRunner(self.runner, clock, self.step_seconds, self.latency), sched, clock=clock)
+        else:
+            clock = None
+            engine = Engine(self.runner, sched)
         busy = [0.0]  # seconds inside runner steps; the rest of the loop is scheduling and admission
         engine.add_step_hook(lambda name, plan, outs, t0, t1: busy.__setitem__(0, busy[0] + t1 - t0))
         handles, reqs = [], []
@@ -201,7 +261,10 @@ class Bench:
                 reqs.append(r)
                 handles.append(engine.submit(r))
             if not engine.step_once():
-                time.sleep(0.0005)
+                if clock is None:
+                    time.sleep(0.0005)
+                elif len(reqs) < len(trace):  # idle: jump to the next arrival
+                    clock.advance(max(0.0, t0 + trace[len(reqs)][0] - clock()))
             bar.update(sum(h.done() for h in handles) - bar.n)
         while engine.step_once():  # flush the last releases: the runner's slots are free for the next run
             pass
@@ -268,7 +331,9 @@ def run(cfg: BenchConfig, say, progress: bool) -> tuple[list[dict], dict, dict]:
             "pool": len(bench.items), "pool_skip": cfg.pool_skip, "slots": cfg.slots, "slo_range": list(cfg.slo_range),
             "duration": cfg.duration, "tau_range": [cfg.tau_min, cfg.tau_max], "static_tau": cfg.static_tau,
             "reference_accuracy": float(np.mean(bench.reference)), "latency_model": bench.latency.label,
-            "fit": str(bench.latency.report), "host_load_at_start": os.getloadavg()[0], "host_cpus": os.cpu_count()}
+            "fit": str(bench.latency.report), "clock": cfg.clock,
+            "profile_points": [[p.kind.name.lower(), p.batch, p.canvas, p.block, p.seconds] for p in bench.profile.points],
+            "host_load_at_start": os.getloadavg()[0], "host_cpus": os.cpu_count()}
     say(f"capacity at τ={cfg.static_tau}: {cap:.2f} req/s with {cfg.slots} slots; idle latency mean "
         f"{info['idle_latency_mean'] * 1e3:.0f} ms, max {info['idle_latency_max'] * 1e3:.0f} ms; pool of "
         f"{len(bench.items)} valid at τ={cfg.static_tau}: {100 * info['reference_accuracy']:.1f}%")
@@ -342,8 +407,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-floor-baseline", action="store_true",
                    help="skip the fixed-floor baseline runs (lowest τ within budget for everyone)")
     p.add_argument("--prior", default=None, help="eval --json rows: the τ -> tokens/step and τ -> accuracy priors")
-    p.add_argument("--profile", default=None, help="latency profile JSON (default: measured at start)")
+    p.add_argument("--profile", default=None,
+                   help="latency profile JSON for the schedulers and the modeled clock (default: measured at start)")
+    p.add_argument("--save-profile", default=None, metavar="PATH",
+                   help="write the profile measured at start-up (rerun with --profile PATH --clock modeled to "
+                        "repeat a run exactly)")
     p.add_argument("--seed", type=int, default=d.seed, help="workload seed (default 0)")
+    p.add_argument("--clock", default=d.clock, choices=CLOCKS,
+                   help="real: serve in real time (default); modeled: real steps, virtual clock advanced by each "
+                        "step's profiled time (reproducible, untouched by other load; scheduling time not counted)")
     p.add_argument("--json", action="store_true",
                    help="print the rows, the capacity info and every request's record (τ trajectory, graded "
                         "validity, predicted loss) as JSON instead of the table")
@@ -364,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
                           per_task=args.per_task, pool_skip=args.pool_skip, tau_min=args.tau_min, tau_max=args.tau_max,
                           budgets=tuple(dict.fromkeys(args.max_accuracy_drop)),
                           floor_baseline=not args.no_floor_baseline, prior=args.prior, profile=args.profile,
-                          seed=args.seed, attention=args.attention)
+                          save_profile=args.save_profile, seed=args.seed, attention=args.attention,
+                          clock=args.clock)
         from dilaserve_jax.decoding.compiled import enable_compile_cache
 
         enable_compile_cache(args.compile_cache)
