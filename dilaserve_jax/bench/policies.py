@@ -58,6 +58,8 @@ class BenchConfig:
     prior: str | None = None  # eval --json rows; default: the model directory's eval.json if present
     profile: str | None = None  # profile JSON for the latency model (and the modeled clock); default: measured here
     save_profile: str | None = None  # write the profile measured at start-up here
+    profile_passes: int = 3  # the profile keeps each shape's fastest pass (other jobs only slow steps down)
+    traces: int = 1  # Poisson traces per rate (different seeds); every run serves all of them, pooled
     seed: int = 0
     attention: str = "auto"
     clock: str = "real"  # "real" or "modeled" (virtual clock advanced by each step's profiled time)
@@ -65,7 +67,8 @@ class BenchConfig:
     def __post_init__(self):
         if self.clock not in CLOCKS:
             raise ValueError(f"clock must be one of {CLOCKS}, got {self.clock!r}")
-        if self.duration <= 0 or self.slots < 1 or self.per_task < 1 or self.pool_skip < 0:
+        if (self.duration <= 0 or self.slots < 1 or self.per_task < 1 or self.pool_skip < 0 or self.profile_passes < 1
+                or self.traces < 1):
             raise ValueError("duration, slots and per_task must be positive, pool_skip >= 0")
         if not (0 < self.slo_range[0] <= self.slo_range[1]):
             raise ValueError(f"bad SLO range {self.slo_range}")
@@ -206,12 +209,18 @@ class Bench:
                                 length_buckets=tuple(sorted(set(self.lengths.values()))),
                                 block_buckets=tuple(sorted(set(self.blocks.values()))), warm_up=False, progress=False)
         batches = self.runner.decoder.config.batch_buckets
-        points, label = [], ""
-        for answer, length in sorted(self.lengths.items()):  # also compiles exactly the shapes used
-            prof = measure_profile(self.runner, batches=batches, lengths=(length,), blocks=(self.blocks[answer],),
-                                   repeats=3, progress=self.progress)
-            points.extend(prof.points)
-            label, device = prof.label, prof.device
+        best: dict[tuple, object] = {}  # per shape, the fastest pass: the least disturbed by other jobs
+        label = device = ""
+        for _ in range(cfg.profile_passes):
+            for answer, length in sorted(self.lengths.items()):  # also compiles exactly the shapes used
+                prof = measure_profile(self.runner, batches=batches, lengths=(length,),
+                                       blocks=(self.blocks[answer],), repeats=3, progress=self.progress)
+                for p in prof.points:
+                    key = (p.kind, p.batch, p.canvas, p.block, p.tp)
+                    if key not in best or p.seconds < best[key].seconds:
+                        best[key] = p
+                label, device = f"{prof.label}, fastest of {cfg.profile_passes} passes", prof.device
+        points = list(best.values())
         measured = Profile(label, False, device, m.config.name, tuple(points))
         if cfg.save_profile:
             measured.save(cfg.save_profile)
@@ -346,21 +355,33 @@ def run(cfg: BenchConfig, say, progress: bool) -> tuple[list[dict], dict, dict]:
     runs = cfg.runs(floor_of)
     rows, records = [], {}
     for k, rate in enumerate(rates):
-        trace = bench.trace(rate, idle, k)
-        shift = k % len(runs)
+        pooled: dict[tuple, list] = {r: [] for r in runs}
+        busy = {r: [0.0, 0.0] for r in runs}
+        quality: dict[tuple, list] = {r: [] for r in runs}  # the instance's own accounting, per trace
+        for t in range(cfg.traces):  # every run serves the same traces; the order rotates
+            trace = bench.trace(rate, idle, k if t == 0 else 1000 * t + k)
+            shift = (k + t) % len(runs)
+            for policy, budget, mode in runs[shift:] + runs[:shift]:
+                desc = f"{policy} {mode} {budget_label(budget)} @ {rate:g}/s, trace {t + 1}/{cfg.traces}"
+                reqs = bench.serve(policy, trace, desc, budget, mode)
+                pooled[(policy, budget, mode)] += [rec | {"trace": t} for rec in bench.records(reqs)]
+                busy[(policy, budget, mode)][0] += bench.last_busy
+                busy[(policy, budget, mode)][1] += bench.last_wall
+                if bench.last_quality is not None:
+                    quality[(policy, budget, mode)].append(bench.last_quality.as_dict())
         by_run = {}
-        for policy, budget, mode in runs[shift:] + runs[:shift]:
-            key = f"{policy}|{mode}|{budget_label(budget)}|{rate:g}"
-            reqs = bench.serve(policy, trace, f"{policy} {mode} {budget_label(budget)} @ {rate:g}/s", budget, mode)
-            recs = bench.records(reqs)
-            records[key] = recs
-            by_run[(policy, budget, mode)] = summarise(policy, budget, mode, rate, recs, bench.last_quality,
-                                                       bench.last_busy, bench.last_wall)
+        for (policy, budget, mode), recs in pooled.items():
+            records[f"{policy}|{mode}|{budget_label(budget)}|{rate:g}"] = recs
+            by_run[(policy, budget, mode)] = summarise(policy, budget, mode, rate, recs, quality[(policy, budget, mode)],
+                                                       *busy[(policy, budget, mode)])
             by_run[(policy, budget, mode)]["host_load"] = os.getloadavg()[0]  # other jobs on the machine
         base = by_run[("fcfs-static", None, "-")]
+        base_met = [r["deadline_met"] for r in pooled[("fcfs-static", None, "-")]]
         for run_key in runs:
             row = by_run[run_key] | {"load": rate / cap}
             row["slo_gain"] = row["slo_attainment"] - base["slo_attainment"]
+            diffs = np.array([int(r["deadline_met"]) - int(b) for r, b in zip(pooled[run_key], base_met)], float)
+            row["slo_gain_ci"] = 1.96 * float(diffs.std(ddof=1)) / np.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
             row["latency_change"] = row["mean_latency"] / base["mean_latency"] - 1
             row["accuracy_drop"] = base["accuracy"] - row["accuracy"]
             rows.append(row)
@@ -392,7 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request rates in req/s (default: --load-factors times the measured capacity)")
     p.add_argument("--load-factors", type=float, nargs="+", default=list(d.load_factors),
                    help=f"rates as multiples of the measured capacity (default {' '.join(map(str, d.load_factors))})")
-    p.add_argument("--duration", type=float, default=d.duration, help=f"seconds of arrivals per run (default {d.duration:g})")
+    p.add_argument("--duration", type=float, default=d.duration, help=f"seconds of arrivals per trace (default {d.duration:g})")
+    p.add_argument("--traces", type=int, default=d.traces,
+                   help=f"Poisson traces per rate, pooled: more requests per point (default {d.traces})")
     p.add_argument("--slo-range", type=float, nargs=2, default=list(d.slo_range), metavar=("LO", "HI"),
                    help="SLO = uniform(LO, HI) x the request's idle latency at the static τ (default 2 6)")
     p.add_argument("--slots", type=int, default=d.slots, help=f"slots of the instance (default {d.slots})")
@@ -409,6 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prior", default=None, help="eval --json rows: the τ -> tokens/step and τ -> accuracy priors")
     p.add_argument("--profile", default=None,
                    help="latency profile JSON for the schedulers and the modeled clock (default: measured at start)")
+    p.add_argument("--profile-passes", type=int, default=d.profile_passes,
+                   help=f"profile passes; each shape keeps its fastest (default {d.profile_passes})")
     p.add_argument("--save-profile", default=None, metavar="PATH",
                    help="write the profile measured at start-up (rerun with --profile PATH --clock modeled to "
                         "repeat a run exactly)")
@@ -432,11 +457,11 @@ def main(argv: list[str] | None = None) -> int:
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     try:
         cfg = BenchConfig(model=args.model, rates=tuple(args.rates or ()), load_factors=tuple(args.load_factors),
-                          duration=args.duration, slo_range=tuple(args.slo_range), slots=args.slots,
+                          duration=args.duration, traces=args.traces, slo_range=tuple(args.slo_range), slots=args.slots,
                           per_task=args.per_task, pool_skip=args.pool_skip, tau_min=args.tau_min, tau_max=args.tau_max,
                           budgets=tuple(dict.fromkeys(args.max_accuracy_drop)),
                           floor_baseline=not args.no_floor_baseline, prior=args.prior, profile=args.profile,
-                          save_profile=args.save_profile, seed=args.seed, attention=args.attention,
+                          save_profile=args.save_profile, profile_passes=args.profile_passes, seed=args.seed, attention=args.attention,
                           clock=args.clock)
         from dilaserve_jax.decoding.compiled import enable_compile_cache
 

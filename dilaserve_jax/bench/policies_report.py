@@ -10,8 +10,10 @@ def _label(budget) -> str:
     return "inf" if budget is None else f"{budget:g}"
 
 
-def summarise(policy: str, budget, mode: str, rate: float, recs: list[dict], quality, busy: float, wall: float) -> dict:
-    """One run's row from its request records (see `Bench.records`)."""
+def summarise(policy: str, budget, mode: str, rate: float, recs: list[dict], quality: list[dict], busy: float,
+              wall: float) -> dict:
+    """One run's row from its request records (see `Bench.records`) and the instance's own quality
+    accounting (one snapshot per trace)."""
     done = [r for r in recs if r["state"] == "FINISHED_OK"]
     lat = np.array([r["latency"] for r in done]) if done else np.array([np.nan])
     diffs = np.array([int(r["valid_at_static_tau"]) - int(r["valid"]) for r in done], dtype=float)
@@ -29,7 +31,7 @@ def summarise(policy: str, budget, mode: str, rate: float, recs: list[dict], qua
             "predicted_loss": float(np.mean([r["predicted_loss"] for r in done])) if done else float("nan"),
             "mean_tau": float(np.mean(taus)) if taus else float("nan"),
             "tokens_per_step": sum(committed) / max(1, len(committed)),
-            "quality": quality.as_dict() if quality is not None else None,
+            "quality": quality,
             "step_busy_s": busy, "wall_s": wall}
 
 
@@ -77,7 +79,8 @@ def headline(rows: list[dict]) -> str:
                 label += " (= budget 0: same floor)"
             if d is None:
                 continue
-            lines.append(f"  dilaserve {label}: {100 * d['slo_gain']:+.1f} points SLO attainment, mean latency "
+            lines.append(f"  dilaserve {label}: {100 * d['slo_gain']:+.1f} ± {100 * d['slo_gain_ci']:.1f} points SLO "
+                         f"attainment, mean latency "
                          f"{100 * d['latency_change']:+.0f}%, accuracy {100 * d['accuracy']:.1f}% (drop "
                          f"{100 * d['accuracy_drop']:+.1f} points vs fcfs-static; paired per prompt "
                          f"{d['paired_drop']:+.2f} ± {d['paired_drop_ci']:.2f}), predicted {d['predicted_loss']:.2f}")
