@@ -28,10 +28,15 @@ largest loss(τ) over its steps that changed commits.
 Budget (`QualityBudget`): the mean predicted loss over the requests an instance serves stays
 within `max_accuracy_drop` points. Every request in the pool brings that many points of
 allowance; what it does not spend, others may. The controller grants lower τ where it buys a
-deadline, cheapest first, and never more than the allowance left. A request with its own
-`max_accuracy_drop` is held to it individually and stays out of the pool. Mode `floor` is the
-baseline: no evidence, no pooling, every request at or above the lowest τ whose pooled loss is
-within budget.
+deadline, cheapest first, and never more than the allowance left. A predicted loss is a chance of
+a wrong answer, so the drop actually measured scatters around the mean: the pool also keeps that
+scatter inside the bound, mean + z·σ ≤ budget, where σ is the standard deviation of the measured
+drop if each request fails independently with its predicted probability (z = 1.64: the measured
+drop stays within the budget with about 95% probability when the predictions are calibrated). A
+few coin-flip gambles (a 45-point loss on an unidentified request) cost far more margin than many
+small, well-identified ones. A request with its own `max_accuracy_drop` is held to it individually
+(in expectation) and stays out of the pool. Mode `floor` is the baseline: no evidence, no
+pooling, every request at or above the lowest τ whose pooled loss is within budget.
 """
 from __future__ import annotations
 
@@ -189,14 +194,15 @@ class QualityConfig:
     evidence_temperature: float = 4.0  # the first-step log-likelihood is divided by this
     use_length: bool = True  # condition the prior on the request's answer area
     use_confidence: bool = True  # update it with the request's first-step confidences
+    confidence_z: float = 1.64  # the pool keeps mean + z·σ of the measured drop within the budget (0: the mean)
 
     def __post_init__(self) -> None:
         if self.mode not in BUDGET_MODES:
             raise ValueError(f"budget mode must be one of {BUDGET_MODES}, got {self.mode!r}")
         if self.max_accuracy_drop is not None and not (self.max_accuracy_drop >= 0 and math.isfinite(self.max_accuracy_drop)):
             raise ValueError(f"max_accuracy_drop must be a finite number of points >= 0 (or None), got {self.max_accuracy_drop}")
-        if not 0 < self.prior_weight <= 1 or self.evidence_temperature <= 0:
-            raise ValueError("prior_weight must be in (0, 1] and evidence_temperature > 0")
+        if not 0 < self.prior_weight <= 1 or self.evidence_temperature <= 0 or self.confidence_z < 0:
+            raise ValueError("prior_weight must be in (0, 1], evidence_temperature > 0 and confidence_z >= 0")
 
     @classmethod
     def from_eval(cls, path_or_rows, **kw) -> "QualityConfig":
@@ -228,7 +234,9 @@ class QualityBudget:
 
     cfg: QualityConfig
     served: int = 0
+    served_pooled: int = 0
     spent_served: float = 0.0  # pooled requests finished ok
+    scatter_served: float = 0.0  # Σ L·(100 − L) over them: the variance of their measured drop (points², × N²)
     loss_served: float = 0.0  # every request finished ok (pooled or individually budgeted)
     pooled_active: dict[str, float] = field(default_factory=dict)  # id -> predicted loss so far
     tau_sum: float = 0.0
@@ -279,10 +287,21 @@ class QualityBudget:
 
     # --- accounting ---
     def allowance(self) -> float | None:
+        """Points the pool could still add now (before the added spend's own scatter)."""
         b = self.cfg.max_accuracy_drop
         if b is None:
             return None
-        return b * (self.served + len(self.pooled_active)) - self.spent_served - sum(self.pooled_active.values())
+        spent, scatter, n = self._pool()
+        return b * n - spent - self.cfg.confidence_z * math.sqrt(scatter)
+
+    def _pool(self) -> tuple[float, float, int]:
+        """(Σ L, Σ L·(100 − L), requests) over the pool: served and active."""
+        active = self.pooled_active.values()
+        return (self.spent_served + sum(active), self.scatter_served + sum(x * (100.0 - x) for x in active),
+                self.served_pooled + len(self.pooled_active))
+
+    def _within(self, spent: float, scatter: float, n: int) -> bool:
+        return spent + self.cfg.confidence_z * math.sqrt(max(0.0, scatter)) <= self.cfg.max_accuracy_drop * n + 1e-9
 
     def join(self, req) -> None:
         if self.pooled(req) and req.id not in self.pooled_active:
@@ -316,7 +335,9 @@ class QualityBudget:
             self.served += 1
             self.loss_served += predicted_loss
             if pooled is not None:
+                self.served_pooled += 1
                 self.spent_served += predicted_loss
+                self.scatter_served += predicted_loss * (100.0 - predicted_loss)
 
     def snapshot(self) -> QualitySnapshot:
         allow = self.allowance()
@@ -346,12 +367,18 @@ class QualityBudget:
             want = desired.get(r.id, free)
             if want < free and not at_risk.get(r.id, False):
                 asks.append((self.cost(r, want), r.deadline, r, want))
-        allowance = self.allowance()
+        bounded = self.cfg.max_accuracy_drop is not None
+        spent, scatter, n = self._pool() if bounded else (0.0, 0.0, 0)
         for cost, _, r, want in sorted(asks, key=lambda a: (a[0], a[1])):
             if self.pooled(r):
-                if allowance is None or cost <= allowance + 1e-12:
+                if not bounded:
                     floors[r.id] = want
-                    allowance = None if allowance is None else allowance - cost
+                    continue
+                old = r.predicted_loss
+                new_scatter = scatter - old * (100.0 - old) + (old + cost) * (100.0 - old - cost)
+                if self._within(spent + cost, new_scatter, n):
+                    floors[r.id] = want
+                    spent, scatter = spent + cost, new_scatter
             elif r.predicted_loss + cost <= self.budget_of(r) + 1e-12:
                 floors[r.id] = want
         return floors
