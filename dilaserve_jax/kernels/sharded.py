@@ -44,19 +44,34 @@ def model_axis_size(mesh) -> int:
     return mesh.shape[MODEL_AXIS]
 
 
+def _one_kv_head_per_shard(n_heads: int, kv_heads: int, local_heads: int) -> bool:
+    # Shard s holds query heads [s * local_heads, (s + 1) * local_heads) and head h reads kv head
+    # h // group: one kv head serves the whole shard when local_heads divides group.
+    return (n_heads // kv_heads) % local_heads == 0
+
+
+def kernel_kv_heads(n_heads: int, kv_heads: int, tp: int, kv_replicated: bool) -> int:
+    """kv heads the kernel reads on each device (for reports; `_kv_heads_of_this_shard` picks them)."""
+    if tp == 1:
+        return kv_heads
+    if not kv_replicated:
+        return kv_heads // tp
+    local_heads = n_heads // tp
+    return 1 if _one_kv_head_per_shard(n_heads, kv_heads, local_heads) else local_heads
+
+
 def _kv_heads_of_this_shard(k, v, n_heads: int, local_heads: int):
     """From replicated K/V [B, L, KVH, D], the kv heads this shard's query heads read.
 
-    Query head h reads kv head h // group (group = H / KVH); this shard holds heads
-    [s * local_heads, (s + 1) * local_heads). When local_heads divides group (KVH divides TP, e.g.
-    every power-of-two kv count) they all read one kv head: a [B, L, 1, D] slice, kernel group
-    local_heads. Otherwise (3 kv heads at TP 4) a shard straddles kv heads, so each local query
-    head gets its own kv head copy (group 1).
+    When they all read one kv head (KVH divides TP, e.g. every power-of-two kv count) that is a
+    [B, L, 1, D] slice and the kernel's group is local_heads. Otherwise (3 kv heads at TP 4) the
+    shard straddles kv heads and each local query head gets its own kv head (group 1). Either way
+    a local copy of the heads read, at most local_heads * [B, L, D] per layer.
     """
     kv_heads = k.shape[2]
     group = n_heads // kv_heads
     first_head = lax.axis_index(MODEL_AXIS) * local_heads
-    if group % local_heads == 0:
+    if _one_kv_head_per_shard(n_heads, kv_heads, local_heads):
         first_kv = first_head // group
         return (lax.dynamic_slice_in_dim(k, first_kv, 1, axis=2),
                 lax.dynamic_slice_in_dim(v, first_kv, 1, axis=2))
