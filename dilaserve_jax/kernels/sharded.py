@@ -19,8 +19,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dilaserve_jax.kernels import flash
-
-MODEL_AXIS = "model"  # mesh.layout.MODEL_AXIS; not imported, so kernels/ loads without mesh/
+from dilaserve_jax.mesh.layout import MODEL_AXIS
+from dilaserve_jax.mesh.sharding import attention_partition_specs
 
 
 def inputs_mesh(*arrays):
@@ -91,8 +91,6 @@ def sharded_flash_attention(q, k, v, valid_len, *, mesh, **kernel_options):
     q [B, Q, H, D], k/v [B, L, KVH, D] as laid out by the sharding table on the instance mesh
     (any other layout is first moved to it by XLA); valid_len [B] replicated.
     """
-    from dilaserve_jax.mesh.sharding import attention_partition_specs  # mesh/ imports models/, which imports us
-
     n_heads, kv_heads = q.shape[2], k.shape[2]
     tp = model_axis_size(mesh)
     heads_spec, kv_spec = attention_partition_specs(n_heads, kv_heads, tp)

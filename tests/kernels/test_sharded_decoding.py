@@ -177,7 +177,7 @@ def test_gather_check_catches_a_gathering_step(monkeypatch, sabotage):
     if sabotage == "no shard_map":
         monkeypatch.setattr(sharded, "sharded_flash_attention", _without_shard_map)
     else:
-        monkeypatch.setattr(sharding, "attention_partition_specs", _kv_spec_replicated)
+        monkeypatch.setattr(sharded, "attention_partition_specs", _kv_spec_replicated)
     jax.clear_caches()
     cfg = tiny_on("2x4")[1].config
     gathers = attention_gathers(_tp4_dual_step_hlo_built_afresh(), cfg.head_dim)
