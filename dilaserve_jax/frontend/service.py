@@ -116,7 +116,8 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
             layout=state["layout"], policy=state["policy"], model=state["model"], family=state["family"],
             serving=not self.draining and any(i.state in ("running", "created") for i in instances),
             instances=instances, failures={k: bounded(v, 512) for k, v in state["failures"].items()},
-            migrations=state["migrations"], reloads=state["reloads"], in_flight=state["in_flight"])
+            migrations=state["migrations"], reloads=state["reloads"], in_flight=state["in_flight"],
+            weight_updates=state.get("weight_updates", {}), checkpoint_watch=_watch_state(state))
 
     async def _run(self, request, context, stream: bool):
         await _check_parsed(request, context)
@@ -253,6 +254,13 @@ def render_canvas(tok, answer: list[int]) -> str:
         else:
             out.append(tok.decode([t]) or "\ufffd")
     return "".join(out)
+
+
+def _watch_state(state: dict) -> pb.CheckpointWatch | None:
+    watch = state.get("checkpoint_watch")
+    if watch is None:
+        return None
+    return pb.CheckpointWatch(**{**watch, "last_error": bounded(watch["last_error"], 512)})
 
 
 async def _abort(context, code: grpc.StatusCode, message: str) -> None:

@@ -18,6 +18,7 @@ from dilaserve_jax.decoding.compiled import CompiledSteps
 from dilaserve_jax.decoding.state import init_state, state_shardings
 from dilaserve_jax.kernels import describe_attention
 from dilaserve_jax.mesh import Layout, kv_cache_sharding, load_into_layout
+from dilaserve_jax.mesh.share import GIB, bytes_per_device, device_bytes_per_slot, share_layout, slots_within
 from dilaserve_jax.models.hf import abstract_params
 from dilaserve_jax.serving import limits as defaults
 from dilaserve_jax.serving.cluster import Cluster, IncompatibleWeights, InstanceInfo, NewWeights, WeightsError
@@ -52,6 +53,8 @@ class ServeConfig:
     profile: str | None = None  # latency profile JSON; default: measured on the instances at start-up
     prior: str | None = None  # eval --json rows for the τ -> tokens/step prior; default: eval*.json beside the weights
     allow_unused_devices: bool = False
+    devices: tuple[int, ...] | None = None  # device ids to serve on (a share of the visible ones); None = all
+    kv_memory_gb: float | None = None  # per-device budget (GiB) for decode slots; sizes slots, at most `slots`
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -71,6 +74,12 @@ class ServeConfig:
             raise ValueError(f"need 0 < tau_min <= tau_max <= 1, got {self.tau_min}, {self.tau_max}")
         if self.step_timeout_s is not None and self.step_timeout_s <= 0:
             raise ValueError(f"step timeout must be positive, got {self.step_timeout_s}")
+        if self.devices is not None:
+            object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
+            if not self.devices or len(set(self.devices)) != len(self.devices):
+                raise ValueError(f"devices must be distinct ids, got {self.devices}")
+        if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
+            raise ValueError(f"the KV memory budget must be positive, got {self.kv_memory_gb}")
 
 
 @dataclass
@@ -103,12 +112,15 @@ def load_serving_model(cfg: ServeConfig, layout: Layout, source: str | None = No
     return ServingModel(model_cfg, graphdef, loaded.tokenizer, loaded.source, per_instance)
 
 
-def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print) -> Cluster:
-    """Load, lay out and compile; returns a Cluster whose warm_up() measures the latency profile."""
-    layout = Layout.build(cfg.mesh, allow_unused=cfg.allow_unused_devices)
-    say(f"layout {layout} on {jax.device_count()} {jax.devices()[0].platform} device(s)")
+def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print, *, layout: Layout | None = None,
+                  model: ServingModel | None = None) -> Cluster:
+    """Load, lay out and compile; returns a Cluster whose warm_up() measures the latency profile.
+    `layout` and `model` (already placed in it, e.g. from memory) replace building and loading them."""
+    layout = layout or share_layout(cfg.mesh, cfg.devices, allow_unused=cfg.allow_unused_devices)
+    share = f"devices {list(cfg.devices)} of " if cfg.devices is not None else ""
+    say(f"layout {layout} on {share}{jax.device_count()} {jax.devices()[0].platform} device(s)")
     t0 = time.perf_counter()
-    model = load_serving_model(cfg, layout)
+    model = model or load_serving_model(cfg, layout)
     layout.spec.check_model(model.config)
     say(f"model {model.source} ({model.config.num_params / 1e6:.2f} M parameters) loaded in "
         f"{time.perf_counter() - t0:.1f} s; attention: {describe_attention(model.config.attention)}")
@@ -118,7 +130,8 @@ def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print) -> Clust
     for inst, params in zip(layout.instances, model.per_instance):
         if params is None:  # another process's instance
             continue
-        runner = JaxRunner(model.config, model.graphdef, params, num_slots=cfg.slots, length_buckets=lengths,
+        slots = _instance_slots(cfg, model.config, inst, params, max(lengths), say)
+        runner = JaxRunner(model.config, model.graphdef, params, num_slots=slots, length_buckets=lengths,
                            block_buckets=cfg.block_buckets, cache_mode=cfg.cache_mode, tp_degree=inst.tp,
                            state_sharding=_state_sharding(inst, model.config, cfg.cache_mode != "none"),
                            compiled=compiled, warm_up=False, progress=False)
@@ -130,7 +143,7 @@ def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print) -> Clust
     threshold = _threshold_config(cfg, model.source, say)
     engines = []
     for runner, info in zip(runners, infos):
-        sched = Scheduler(SchedulerConfig(num_slots=cfg.slots, policy=cfg.policy, tp=info.tp_degree,
+        sched = Scheduler(SchedulerConfig(num_slots=runner.num_slots, policy=cfg.policy, tp=info.tp_degree,
                                           max_queue=cfg.max_queue, threshold=threshold), placeholder)
         engines.append(Engine(runner, sched, name=info.name))
 
@@ -169,6 +182,19 @@ def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print) -> Clust
     return Cluster(engines, infos, layout=str(layout.spec), policy=cfg.policy, model_source=model.source,
                    tokenizer=tok, limits=limits, loader=load, warmup_fn=warm_up, step_timeout_s=cfg.step_timeout_s,
                    family=getattr(model.config, "family", "llada"))
+
+
+def _instance_slots(cfg: ServeConfig, model_cfg, inst, params, length: int, say) -> int:
+    """`cfg.slots`, or fewer when a per-device KV budget holds fewer; logs the per-device memory."""
+    with_cache = cfg.cache_mode != "none"
+    slots = cfg.slots if cfg.kv_memory_gb is None else \
+        slots_within(model_cfg, inst.tp, length, int(cfg.kv_memory_gb * GIB), cfg.slots, with_cache)
+    weights = max(bytes_per_device(params).values())
+    state = slots * device_bytes_per_slot(model_cfg, inst.tp, length, with_cache)
+    budget = f" (budget {cfg.kv_memory_gb:g} GiB)" if cfg.kv_memory_gb is not None else ""
+    say(f"instance-{inst.index} {inst}: {slots} slot(s); per device {weights / 2**20:.1f} MiB weights + "
+        f"{state / 2**20:.1f} MiB decode state{budget}")
+    return slots
 
 
 def _describe(c) -> str:

@@ -104,6 +104,8 @@ class Cluster:
         self.failures: dict[str, str] = {}  # instance -> fault
         self.migrations: dict[str, int] = {}  # reason -> requests moved
         self.reloads = 0
+        self.weight_updates: dict[str, int] = {}  # origin ("reload", "push", "watch") -> swaps
+        self._status: dict[str, Callable[[], dict]] = {}
         self.ready = False
         for e in self.engines:
             e.on_failure = self._on_failure
@@ -257,7 +259,8 @@ class Cluster:
                 log.exception("cluster listener failed on %s", event)
 
     # --- administration ---
-    def reload(self, source: str, step: int | None = None, timeout: float | None = 600.0) -> ReloadReport:
+    def reload(self, source: str, step: int | None = None, timeout: float | None = 600.0,
+               origin: str = "reload") -> ReloadReport:
         """Load new weights and swap them into every serving instance between two of its steps.
 
         Requests in flight keep running: each one's remaining steps use the new weights, starting
@@ -266,11 +269,30 @@ class Cluster:
         old weights keep serving)."""
         if self._loader is None:
             raise ValueError("this cluster cannot reload weights")
-        if not self._admin.acquire(blocking=False):
+        return self._swap_weights(lambda: self._loader(source, step), timeout, None, origin)
+
+    def swap_in(self, new: NewWeights, timeout: float | None = 600.0, wait_s: float | None = None,
+                origin: str = "push") -> ReloadReport:
+        """Swap weights already placed on every instance's devices (e.g. pushed in memory by a
+        training job) in, exactly as `reload` does after loading. `wait_s`: how long to wait for a
+        reload or reconfiguration under way (None: raise ClusterBusy at once)."""
+        return self._swap_weights(lambda: new, timeout, wait_s, origin)
+
+    def add_status(self, name: str, status: Callable[[], dict]) -> None:
+        """Report `status()` under `name` in state() (e.g. a checkpoint watcher's progress)."""
+        self._status = {**self._status, name: status}
+
+    def _swap_weights(self, make: Callable[[], NewWeights], timeout: float | None, wait_s: float | None,
+                      origin: str) -> ReloadReport:
+        got = self._admin.acquire(blocking=False) if wait_s is None else self._admin.acquire(timeout=wait_s)
+        if not got:
             raise ClusterBusy("another reload or reconfiguration is in progress")
         try:
             t0 = time.perf_counter()
-            new = self._loader(source, step)
+            new = make()
+            missing = sorted({e.name for e in self.healthy_engines} - set(new.params))
+            if missing:
+                raise WeightsError(f"the new weights hold no params for instance(s) {missing}")
             swaps = {e.name: e.swap_weights(new.params[e.name]) for e in self.healthy_engines}
             swapped = {}
             for name, fut in swaps.items():
@@ -280,8 +302,9 @@ class Cluster:
                     pass
             self.model_source = new.source
             self.reloads += 1
+            self.weight_updates[origin] = self.weight_updates.get(origin, 0) + 1
             report = ReloadReport(new.source, time.perf_counter() - t0, swapped)
-            self._emit("reload", {"source": new.source, "seconds": report.seconds})
+            self._emit("reload", {"source": new.source, "seconds": report.seconds, "origin": origin})
             return report
         finally:
             self._admin.release()
@@ -296,7 +319,8 @@ class Cluster:
                               "state": snap.state.name.lower(), "error": snap.error or ""})
         return {"layout": self.layout, "policy": self.policy, "model": self.model_source, "family": self.family,
                 "instances": instances, "failures": dict(self.failures), "migrations": dict(self.migrations),
-                "reloads": self.reloads, "in_flight": self.in_flight()}
+                "reloads": self.reloads, "in_flight": self.in_flight(), "weight_updates": dict(self.weight_updates),
+                **{name: status() for name, status in self._status.items()}}
 
 
 def _fail(fut: Future, err: BaseException) -> None:
