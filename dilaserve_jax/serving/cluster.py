@@ -172,7 +172,9 @@ class Cluster:
                 e.add_step_hook(hook)
 
     # --- requests ---
-    def submit(self, request: Request, on_progress: ProgressFn | None = None) -> RequestHandle:
+    def submit(self, request: Request, on_progress: ProgressFn | None = None,
+               instance: str | None = None) -> RequestHandle:
+        """Place a request (on `instance` while it is healthy, else where the router says)."""
         if not self.ready:
             raise EngineUnavailable("server is still compiling and warming up")
         fut: Future = Future()
@@ -182,7 +184,7 @@ class Cluster:
             tracked = _Tracked(request, fut, on_progress, "")
             self._inflight[request.id] = tracked
             try:
-                self._place_locked(tracked, Handoff(request, fut, on_progress))
+                self._place_locked(tracked, Handoff(request, fut, on_progress), prefer=instance)
             except BaseException:
                 del self._inflight[request.id]
                 raise
