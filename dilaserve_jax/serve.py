@@ -167,9 +167,13 @@ async def _serve(cluster, options, say) -> int:
         await stop.wait()
     say(f"draining: letting in-flight calls finish (up to {options.grace_s:.0f} s)")
     finished = await running.drain_and_stop()
-    cluster.stop()
+    cluster.stop(wait_background=False)
     say("stopped" if finished else "stopped with calls still in flight after the grace period")
-    if not warm.done():  # interrupted during compilation: leave without waiting for it
+    if not warm.done() or any(t.is_alive() for t in cluster.background):
+        # compilation still running (start-up, or the controller's background measurement): leave
+        # without waiting for it, and without finalising the interpreter under a running XLA thread
+        sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(0)
     return 0
 

@@ -163,14 +163,19 @@ def candidate_tp_degrees(cfg: ServeConfig, model_cfg, num_devices: int) -> list[
 
 def start_controller(cluster: Cluster, builder: JaxInstanceBuilder, cfg: ServeConfig, say) -> None:
     """Measure the candidate TP degrees no profile covers (in the background: serving goes on),
-    then hand the controller to the cluster's autoscaler."""
+    then hand the controller to the cluster's autoscaler. The thread is not a daemon, and it checks
+    for the cluster stopping between measurements, so the process never exits mid-compile."""
     tps = candidate_tp_degrees(cfg, builder.model.config, len(builder.layout.devices))
 
     def setup() -> None:
         for tp in tps:
+            if cluster.stopping:
+                return
             if tp not in builder.latency:
                 say(f"controller: measuring TP {tp} for its latency model (serving goes on)")
                 builder.measure_tp(tp)
+        if cluster.stopping:
+            return
         ctl = ClusterController(cfg.controller_config, num_devices=len(builder.layout.devices), tp_degrees=tps,
                                 latency=dict(builder.latency), slots=cfg.slots,
                                 param_bytes=_param_bytes(builder.model.config), layouts=cfg.layouts or None,
@@ -178,7 +183,9 @@ def start_controller(cluster: Cluster, builder: JaxInstanceBuilder, cfg: ServeCo
         cluster.autoscaler.set_controller(ctl)
         say(f"controller: {cfg.controller}, {len(ctl.candidates)} candidate layouts over TP {tps}")
 
-    threading.Thread(target=setup, name="controller-setup", daemon=True).start()
+    thread = threading.Thread(target=setup, name="controller-setup")
+    cluster.background.append(thread)
+    thread.start()
 
 
 def _param_bytes(c) -> int:

@@ -107,6 +107,7 @@ class Cluster:
         self.switching = False
         self.builder = None  # executor-side InstanceBuilder (serving.reshape) for reconfigurations
         self.autoscaler = None  # serving.autoscale.Autoscaler running the cluster controller
+        self.background: list[threading.Thread] = []  # set-up work that stop() waits for
         self.reconfigurations: list = []  # ReshapeReports, newest last
         self._watchdog: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -135,10 +136,19 @@ class Cluster:
             self._watchdog.start()
         return self
 
-    def stop(self, timeout: float | None = 5.0) -> None:
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def stop(self, timeout: float | None = 5.0, wait_background: bool = True) -> None:
+        """Stop the controller, the engines and the watchdog. Background set-up work (a latency
+        measurement) is waited for unless `wait_background` is False (a process about to exit)."""
         self._stopping.set()
         if self.autoscaler is not None:
             self.autoscaler.stop()
+        if wait_background:
+            for t in self.background:  # let a measurement finish rather than die mid-compile
+                t.join()
         errors = []
         for e in [*self.engines, *self.retiring.values()]:
             try:
