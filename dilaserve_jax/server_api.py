@@ -48,30 +48,37 @@ class Server:
                  host: str = "127.0.0.1", port: int = 50051, metrics_port: int | None = None, tokenizer=None,
                  name: str = "memory", watch_checkpoints: str | None = None, watch_interval_s: float = 10.0,
                  auth_token: str | None = None, admin_token: str | None = None, weights_roots: Sequence[str] = (),
-                 grace_s: float = 30.0, say: Callable[[str], None] | None = None, **serve_config: Any):
+                 grace_s: float = 30.0, compile_cache: str | None = None, say: Callable[[str], None] | None = None,
+                 **serve_config: Any):
         """`model`: an nnx.Module, a (graphdef, params) pair, or a graphdef with `params`. `params` may
         live anywhere (e.g. sharded for training on other devices); they are copied device to device.
         `devices`: the jax devices to serve on (default all visible); `mesh`: their layout ("2x2",
         "4", ...). Other keywords go to ServeConfig (slots, kv_memory_gb, cache_mode, policy,
-        profile, prior, tau_min, ...). Returns once gRPC listens (health NOT_SERVING while compiling)."""
+        profile, prior, tau_min, controller, ...). `compile_cache`: a directory for XLA's persistent
+        compilation cache (a process-wide JAX setting; off by default). Returns once gRPC listens
+        (health NOT_SERVING while compiling)."""
         from dilaserve_jax.frontend.server import ServerOptions
         from dilaserve_jax.mesh.share import share_layout
         from dilaserve_jax.serving.build import ServeConfig, build_cluster
-        from dilaserve_jax.serving.push import WeightPusher
+        from dilaserve_jax.serving.push import PlanCache, WeightPusher
 
         if jax.process_count() > 1:
             raise ValueError("Server runs in a single process; for multi-host serving use `python -m dilaserve_jax.serve`")
         self._say = say or log.info
+        if compile_cache is not None:
+            from dilaserve_jax.decoding.compiled import enable_compile_cache
+
+            enable_compile_cache(compile_cache)
         model_cfg, params = _split(model, params)
         ids = None if devices is None else tuple(d.id for d in devices)
         self.config = ServeConfig(model=f"{name}:initial", mesh=mesh, devices=ids, **serve_config)
         self.options = ServerOptions(host=host, port=port, metrics_port=metrics_port, auth_token=auth_token,
                                      admin_token=admin_token, weights_roots=tuple(weights_roots), grace_s=grace_s)
-        self.layout = share_layout(mesh, ids)
-        self.layout.spec.check_model(model_cfg)
-        serving = _serving_model(self.config, self.layout, model_cfg, params, tokenizer, f"{name}:initial")
-        self.cluster = build_cluster(self.config, self._say, layout=self.layout, model=serving)
-        self._pusher = WeightPusher(self.cluster, serving)
+        layout = share_layout(mesh, ids)
+        layout.spec.check_model(model_cfg)
+        serving, plans = _serving_model(self.config, layout, model_cfg, params, tokenizer, f"{name}:initial")
+        self.cluster = build_cluster(self.config, self._say, layout=layout, model=serving)
+        self._pusher = WeightPusher(self.cluster, plans)
         self._name, self._pushes = name, 0
         self._push_thread = ThreadPoolExecutor(1, thread_name_prefix="dilaserve-push")
         self._ready, self._warm_error = threading.Event(), None
@@ -97,6 +104,11 @@ class Server:
         self._warm_thread.start()
 
     # --- lifecycle ---
+    @property
+    def layout(self):
+        """The layout being served (a reconfiguration may change it, within the same devices)."""
+        return self.cluster.builder.layout
+
     @property
     def target(self) -> str:
         return f"{self.options.host}:{self.port}"
@@ -211,24 +223,26 @@ def _split(model, params):
 
 
 def _serving_model(cfg, layout, model_cfg, params, tokenizer, source: str):
-    """The build's ServingModel from params in memory: cast if asked, copied into every instance."""
-    from dilaserve_jax.mesh.placement import place_params, replicate_to_instances
+    """The build's ServingModel from params in memory (cast if asked, copied device to device into
+    every instance), and the transfer plans that did it: pushes from the same shardings reuse them."""
     from dilaserve_jax.models.hf import abstract_params
     from dilaserve_jax.models.tokenizer import CharTokenizer
     from dilaserve_jax.serving.build import ServingModel
     from dilaserve_jax.serving.cluster import IncompatibleWeights
+    from dilaserve_jax.serving.push import PlanCache
 
-    model_cfg = model_cfg.replace(attention=cfg.attention, **({"param_dtype": cfg.param_dtype} if cfg.param_dtype else {}))
+    held = {str(x.dtype) for x in jax.tree.leaves(params)}
+    dtype = cfg.param_dtype or (held.pop() if len(held) == 1 and held <= {"float32", "bfloat16"} else None)
+    model_cfg = model_cfg.replace(attention=cfg.attention, **({"param_dtype": dtype} if dtype else {}))
     graphdef, abstract = abstract_params(model_cfg)
     if jax.tree.structure(params) != jax.tree.structure(abstract):
         raise IncompatibleWeights(f"params do not match a {model_cfg.name} model's tree structure")
-    if cfg.param_dtype:
-        params = jax.tree.map(lambda x, a: x.astype(a.dtype), params, abstract)
     if tokenizer is None:
         if model_cfg.vocab_size != CharTokenizer.vocab_size:
             raise ValueError(f"pass tokenizer= for a {model_cfg.vocab_size}-token vocabulary")
         tokenizer = CharTokenizer()
-    first = layout.instances[0]
-    placed = place_params(params, first, model_cfg)
-    per_instance = replicate_to_instances(placed, first, layout, model_cfg)
-    return ServingModel(model_cfg, graphdef, tokenizer, source, per_instance)
+    plans = PlanCache(model_cfg)
+    first = plans.place(params, layout.instances[0], [a.dtype for a in jax.tree.leaves(abstract)]
+                        if cfg.param_dtype else None)
+    per_instance = [first] + [plans.place(first, inst) for inst in layout.instances[1:]]
+    return ServingModel(model_cfg, graphdef, tokenizer, source, per_instance), plans

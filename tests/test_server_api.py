@@ -71,7 +71,7 @@ def server(tmp_path_factory):
     srv = Server(graphdef, _fsdp(params), devices=jax.devices()[4:], mesh="2x2", port=0, slots=2,
                  cache_mode="none", length_buckets=(64,), block_buckets=(16,), default_block_length=16,
                  default_max_new_tokens=16, default_slo_ms=600_000, profile=str(profile), step_timeout_s=None,
-                 say=lambda _m: None)
+                 controller="manual", say=lambda _m: None)
     srv.wait_ready(600)
     yield srv
     assert srv.stop(10)
@@ -133,7 +133,7 @@ def test_update_weights_under_load_swaps_without_failures_or_compiling(server):
     assert errors == [] and len(replies) == 24
     assert all(r.finish_reason in (1, 2) for r in replies.values())
     assert [r.label for r in reports] == [f"memory:push {k}" for k in range(1, 4)]
-    assert all(set(r.swapped_at) == {"instance-0", "instance-1"} for r in reports)
+    assert all(set(r.swapped_at) == {"tp2@4-5", "tp2@6-7"} for r in reports)
     assert compiled.compile_count == before  # same shardings and dtypes: every executable reused
     for params, _ in _served(server):  # the last push, not the 7s its source was overwritten with
         assert all(np.array_equal(a, b) for a, b in zip(_host(params), _host(new)))
@@ -168,3 +168,25 @@ def test_a_server_on_a_share_that_does_not_fit_the_mesh_says_so():
     graphdef, params = _model(0)
     with pytest.raises(ValueError, match=r"mesh 2x4 uses 8 device\(s\) but the device share \[4, 5, 6, 7\] has 4"):
         Server(graphdef, params, devices=jax.devices()[4:], mesh="2x4", port=0)
+
+
+def test_a_push_after_a_reconfiguration_lands_on_the_new_instances(server):
+    """The layout is read at each push: after reshaping 2x2 -> 1x4 (within devices 4-7) the weights
+    go to the TP-4 instance, and back at 2x2 nothing compiles again."""
+    report = server.cluster.reconfigure("1x4")
+    assert [i["name"] for i in server.state()["instances"]] == ["tp4@4-7"] and report.added == ("tp4@4-7",)
+    _, params = _model(3)
+    pushed = server.update_weights(_fsdp(params)).result(120)
+    assert set(pushed.swapped_at) == {"tp4@4-7"}
+    (served, _), = _served(server)
+    assert all(np.array_equal(a, b) for a, b in zip(_host(served), _host(params)))
+    assert {d.id for leaf in jax.tree.leaves(served) for d in leaf.sharding.device_set} == {4, 5, 6, 7}
+    assert _generate(server, PROMPTS[:4]) == _offline(params, PROMPTS[:4])
+    compiled = server.cluster.builder.compiled
+    before = compiled.compile_count
+    server.cluster.reconfigure("2x2")
+    _, again = _model(4)
+    assert set(server.update_weights(_fsdp(again)).result(120).swapped_at) == {"tp2@4-5", "tp2@6-7"}
+    assert compiled.compile_count == before
+    for served, _ in _served(server):  # the 2x2 instances were rebuilt from the TP-4 copy, then pushed to
+        assert all(np.array_equal(a, b) for a, b in zip(_host(served), _host(again)))

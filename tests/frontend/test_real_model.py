@@ -42,7 +42,7 @@ def tiny_server(tmp_path_factory, weights_root):
     fake_profile().save(profile)  # scheduling only: answers do not depend on step-time predictions
     cfg = ServeConfig(model="tiny", mesh="2x1", slots=4, length_buckets=(64,), block_buckets=(16,),
                       default_block_length=16, default_max_new_tokens=16, profile=str(profile),
-                      allow_unused_devices=True, default_slo_ms=600_000)
+                      allow_unused_devices=True, default_slo_ms=600_000, controller="manual")
     server = ServerThread(build_cluster(cfg, say=lambda _m: None), weights_roots=(str(weights_root),)).ready()
     yield server
     server.stop()
@@ -239,7 +239,7 @@ def test_a_failed_instance_hands_its_calls_to_the_other(tmp_path):
     fake_profile().save(profile)
     cfg = ServeConfig(model="tiny", mesh="2x1", slots=4, length_buckets=(64,), block_buckets=(16,),
                       default_block_length=16, profile=str(profile), allow_unused_devices=True, cache_mode="none",
-                      default_slo_ms=600_000, policy="fcfs-static")
+                      default_slo_ms=600_000, policy="fcfs-static", controller="manual")
     cluster = build_cluster(cfg, say=lambda _m: None)
     runner = cluster.engine("instance-0").runner
     calls = {"n": 0}

@@ -64,22 +64,29 @@ def test_budget_sizes_slots_and_says_when_none_fits():
 
 def test_build_cluster_on_a_share_with_a_kv_budget():
     """What `serve --devices 4-7 --mesh 2x2 --kv-memory-gb X` builds: every array on the share, and
-    as many slots as X holds per device."""
+    as many slots as X holds per device on the narrowest instance any layout of the share may use
+    (TP 1 here, whose devices hold whole K/V), so the budget also holds after a reconfiguration."""
     cfg = test()
-    one = device_bytes_per_slot(cfg, 2, 128)
+    one = device_bytes_per_slot(cfg, 1, 128)
     budget_gib = (3 * one + 10) / GIB
     serve = ServeConfig(model="test", mesh="2x2", devices=(4, 5, 6, 7), slots=8, kv_memory_gb=budget_gib,
-                        length_buckets=(128,), step_timeout_s=None)
+                        length_buckets=(128,), step_timeout_s=None, controller="manual")
     lines = []
     cluster = build_cluster(serve, say=lines.append)
     assert any("devices [4, 5, 6, 7] of 8" in line for line in lines)
-    assert sum("3 slot(s)" in line and "decode state (budget" in line for line in lines) == 2
+    assert sum("3 slot(s)" in line and "decode state (KV budget" in line for line in lines) == 2
     for engine, want in zip(cluster.engines, ({4, 5}, {6, 7})):
         decoder = engine.runner.decoder
         assert decoder.num_slots == 3 and engine.scheduler.cfg.num_slots == 3
         for leaf in jax.tree.leaves(decoder.params) + jax.tree.leaves(decoder.state):
             assert {d.id for d in leaf.sharding.device_set} == want
         assert all(b <= budget_gib * GIB for b in bytes_per_device(decoder.state).values())
+    # restricted to TP-2 layouts, the same budget holds twice the slots (K/V split over 2 devices)
+    two = device_bytes_per_slot(cfg, 2, 128)
+    tp2_only = build_cluster(ServeConfig(model="test", mesh="2x2", devices=(4, 5, 6, 7), slots=8,
+                                         kv_memory_gb=(5 * two + 10) / GIB, length_buckets=(128,), layouts=("2x2",),
+                                         controller="manual"), say=lambda _m: None)
+    assert [e.runner.num_slots for e in tp2_only.engines] == [5, 5]
     with pytest.raises(ValueError, match="holds no slot"):
         build_cluster(ServeConfig(model="test", mesh="2x2", devices=(4, 5, 6, 7), kv_memory_gb=1e-9,
                                   length_buckets=(128,)), say=lambda _m: None)
