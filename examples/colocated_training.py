@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=4, help="decode slots per instance (default 4)")
     p.add_argument("--cache", default="dual", choices=("dual", "prefix", "none"), help="KV cache mode (default dual)")
     p.add_argument("--port", type=int, default=0, help="gRPC port (default 0: any free port)")
+    p.add_argument("--compile-cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dilaserve_jax", "xla"),
+                   help="persistent XLA compilation cache, so a second run skips compiling ('none' disables)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
     return p
@@ -152,7 +154,9 @@ def run(args, say=print) -> dict:
     server = Server(tiny.graphdef, params, devices=serve_devices, mesh=args.mesh, port=args.port,
                     slots=args.slots, cache_mode=args.cache, length_buckets=(64,), block_buckets=(16,),
                     default_block_length=16, default_max_new_tokens=12, prior=str(ASSETS / "tiny" / "eval.json"),
-                    name="weakened", say=lambda m: say(f"[server] {m}"))
+                    name="weakened", controller="manual",  # a fixed layout: the CPU goes to training
+                    compile_cache=None if args.compile_cache == "none" else args.compile_cache,
+                    say=lambda m: say(f"[server] {m}"))
 
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(args.lr, b1=0.9, b2=0.98, weight_decay=0.01))
     opt_state = jax.tree.map(lambda x: jax.device_put(x, fsdp(x)), optimizer.init(params))
