@@ -6,7 +6,9 @@ The model starts as a deliberately weakened copy of the shipped tiny model (each
 gets Gaussian noise as large as its own spread), so the recovery is visible. Training: AdamW on
 the masked-diffusion objective (dilaserve_jax.tasks.objective) over the suite's short tasks, with
 params and optimiser state sharded FSDP-style over devices 0-3 and each batch split over them.
-Serving: a dilaserve_jax.Server on devices 4-7 (two TP-2 instances). Every --push-every
+Serving: a dilaserve_jax.Server on devices 4-7 (two TP-2 instances; four TP-1 instances on a CPU,
+whose XLA backend runs the collectives of all fake devices one program at a time, so a TP
+instance's steps would wait for the training steps' all-gathers). Every --push-every
 optimiser steps the loop hands its params to `server.update_weights` and goes on (the push copies
 them device to device and swaps them in on the server's threads). A client thread sends held-out
 prompts over gRPC and prints the accuracy it sees, with the weights the server said it was serving.
@@ -38,8 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noise", type=float, default=1.0,
                    help="weakening: noise added to each weight matrix, in units of its own std (default 1.0)")
     p.add_argument("--prompts", type=int, default=24, help="held-out prompts per task per round (default 24)")
-    p.add_argument("--mesh", default="2x2", help="serving layout on devices 4-7 (default 2x2)")
-    p.add_argument("--slots", type=int, default=4, help="decode slots per instance (default 4)")
+    p.add_argument("--mesh", default=None,
+                   help="serving layout on devices 4-7 (default 2x2; 4x1 on CPU, where XLA runs the collectives "
+                        "of all fake devices one program at a time, so a TP instance would wait for training steps)")
+    p.add_argument("--slots", type=int, default=2, help="decode slots per instance (default 2)")
     p.add_argument("--cache", default="dual", choices=("dual", "prefix", "none"), help="KV cache mode (default dual)")
     p.add_argument("--port", type=int, default=0, help="gRPC port (default 0: any free port)")
     p.add_argument("--compile-cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dilaserve_jax", "xla"),
@@ -139,6 +143,7 @@ def run(args, say=print) -> dict:
     if len(jax.devices()) < 8:
         raise SystemExit(f"needs 8 devices (4 to train, 4 to serve); this process sees {len(jax.devices())}")
     train_devices, serve_devices = jax.devices()[:4], jax.devices()[4:8]
+    mesh_spec = args.mesh or ("4x1" if jax.default_backend() == "cpu" else "2x2")
     tiny = load_model("tiny")
     cfg = tiny.config.replace(param_dtype="float32")  # train (and serve) in float32
     mesh = Mesh(np.array(train_devices), ("fsdp",))
@@ -149,9 +154,9 @@ def run(args, say=print) -> dict:
     params = weakened(jax.tree.map(lambda x: x.astype(jnp.float32), tiny.params), args.noise, args.seed)
     params = jax.device_put(params, jax.tree.map(fsdp, params))
     say(f"[main] tiny model weakened (noise {args.noise} std per matrix); training on devices "
-        f"{[d.id for d in train_devices]}, serving on {[d.id for d in serve_devices]} as {args.mesh}")
+        f"{[d.id for d in train_devices]}, serving on {[d.id for d in serve_devices]} as {mesh_spec}")
 
-    server = Server(tiny.graphdef, params, devices=serve_devices, mesh=args.mesh, port=args.port,
+    server = Server(tiny.graphdef, params, devices=serve_devices, mesh=mesh_spec, port=args.port,
                     slots=args.slots, cache_mode=args.cache, length_buckets=(64,), block_buckets=(16,),
                     default_block_length=16, default_max_new_tokens=12, prior=str(ASSETS / "tiny" / "eval.json"),
                     name="weakened", controller="manual",  # a fixed layout: the CPU goes to training
