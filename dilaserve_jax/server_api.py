@@ -33,8 +33,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class PushReport:
-    """One `update_weights`: seconds on the caller's thread (checks + enqueueing copies), until every
-    copy landed, and for the swap itself; when each instance swapped (engine clock)."""
+    """One `update_weights`: seconds on the caller's thread (checks + enqueueing copies); then until
+    every copy landed (which includes waiting for the computation still producing the params, e.g.
+    optimiser steps queued before the push); and for the swap itself; when each instance swapped
+    (engine clock)."""
 
     label: str
     dispatch_seconds: float

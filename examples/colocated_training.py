@@ -201,7 +201,8 @@ def run(args, say=print) -> dict:
             caller_seconds.append(time.perf_counter() - t)
             future.add_done_callback(lambda f, s=step: say(
                 f"[push] step {s} swapped in: {1e3 * f.result().dispatch_seconds:.0f} ms on the training thread, "
-                f"{1e3 * f.result().copy_seconds:.0f} ms copying, {1e3 * f.result().swap_seconds:.0f} ms swapping")
+                f"{1e3 * f.result().copy_seconds:.0f} ms until copied (after the steps queued before it ran), "
+                f"{1e3 * f.result().swap_seconds:.0f} ms swapping")
                 if f.exception() is None else say(f"[push] step {s} failed: {f.exception()}"))
             pushes.append(future)
             say(f"[train] step {step}: loss {float(loss):.3f} ({time.perf_counter() - t0:.0f} s); pushed")
