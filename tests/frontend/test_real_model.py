@@ -48,13 +48,13 @@ def tiny_server(tmp_path_factory, weights_root):
     server.stop()
 
 
-def test_64_concurrent_requests_match_the_decoding_path(tiny_server):
-    prompts = _prompts(64)
+def call_concurrently(server, prompts):
+    """One gRPC call per prompt, all at once (τ fixed at TAU); returns (replies by index, errors)."""
     replies, errors = {}, []
 
     def call(i, text, gen):
         try:
-            with tiny_server.client() as c:
+            with server.client() as c:
                 replies[i] = c.generate(text, max_new_tokens=gen, block_length=16, tau_min=TAU, tau_max=TAU)
         except grpc.RpcError as err:  # recorded, then asserted on the main thread
             errors.append((i, err.code(), err.details()))
@@ -64,8 +64,14 @@ def test_64_concurrent_requests_match_the_decoding_path(tiny_server):
         t.start()
     for t in threads:
         t.join(600)
+    return replies, errors
+
+
+def test_64_concurrent_requests_match_the_decoding_path(tiny_server):
+    prompts = _prompts(64)
+    replies, errors = call_concurrently(tiny_server, prompts)
     assert not errors and len(replies) == 64
-    assert {r.instance for r in replies.values()} == {"instance-0", "instance-1"}  # both instances served
+    assert {r.instance for r in replies.values()} == {"tp1@0", "tp1@1"}  # both instances served
 
     model = load_model("tiny")
     decoder = SlotDecoder(model.config, model.graphdef, model.params,
@@ -137,7 +143,7 @@ def test_serve_command_starts_answers_and_stops_on_sigterm(tmp_path):
         assert port and "ready:" in log, log[-3000:]
         assert "presenting 8 CPU devices" in log and "2x4 = TP4[0-3] + TP4[4-7]" in log
         assert "Unable to initialize backend" not in log and "auth: off" in log and "allowed on loopback" in log
-        assert "instance-1: compiling decode steps" in log  # the progress bar names its instance
+        assert "tp4@4-7: compiling decode steps" in log  # the progress bar names its instance
         out = subprocess.run([sys.executable, "-m", "dilaserve_jax.client", "--target", f"127.0.0.1:{port}",
                               "--max-new-tokens", "12", "--block-length", "12", "--tau-min", "1", "--tau-max", "1",
                               "--json", "sort 93142="], capture_output=True, text=True, timeout=120)
@@ -249,20 +255,7 @@ def test_failed_instances_hand_their_calls_to_the_survivor(tmp_path):
     server = ServerThread(cluster).ready()
     try:
         prompts = _prompts(24)
-        replies, errors = {}, []
-
-        def call(i, text, gen):
-            try:
-                with server.client() as c:
-                    replies[i] = c.generate(text, max_new_tokens=gen, block_length=16, tau_min=TAU, tau_max=TAU)
-            except grpc.RpcError as err:
-                errors.append((i, err.code(), err.details()))
-
-        threads = [threading.Thread(target=call, args=(i, t, g)) for i, (t, g) in enumerate(prompts)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(600)
+        replies, errors = call_concurrently(server, prompts)
         assert not errors and len(replies) == 24
         model = load_model("tiny")
         expected = _offline((model.config, model.graphdef, model.params), prompts, cache="none")
