@@ -244,11 +244,26 @@ class Cluster:
                 prefer: str | None = None) -> None:
         """Place requests taken off an instance on the others (their next step is a refresh);
         `prefer`: the instance to place them on while it is healthy (a migration's target)."""
-        settled: list[tuple[Future, Any]] = []  # futures are resolved outside the lock: their callbacks take it
         with self._lock:
-            for h in handoffs:
-                tracked = self._inflight.get(h.request.id)
-                if tracked is None:  # resolved meanwhile
+            items = [(self._inflight[h.request.id], h) for h in handoffs if h.request.id in self._inflight]
+        self._place_all(items, exclude, prefer)
+        if handoffs:
+            self.migrations[reason] = self.migrations.get(reason, 0) + len(handoffs)
+            self._emit("migration", {"reason": reason, "count": len(handoffs)})
+
+    def place_held(self) -> None:
+        """Place the requests held while no instance was up (end of a reconfiguration)."""
+        with self._lock:
+            held, self._held = self._held, []
+        self._place_all(held)
+
+    def _place_all(self, items, exclude: frozenset[str] = frozenset(), prefer: str | None = None) -> None:
+        """Place (tracked, handoff) pairs; an abort asked for meanwhile ends the request instead.
+        Futures are resolved outside the lock: their callbacks take it."""
+        settled: list[tuple[Future, Any]] = []
+        with self._lock:
+            for tracked, h in items:
+                if h.request.id not in self._inflight:  # resolved meanwhile
                     continue
                 if h.request.id in self._abort_wanted:
                     h.request.transition(RequestState.FINISHED_ABORTED, self.clock())
@@ -263,9 +278,6 @@ class Cluster:
                 _fail(fut, outcome)
             else:
                 _resolve(fut, outcome)
-        if handoffs:
-            self.migrations[reason] = self.migrations.get(reason, 0) + len(handoffs)
-            self._emit("migration", {"reason": reason, "count": len(handoffs)})
 
     def _place_locked(self, tracked: _Tracked, h: Handoff, exclude: frozenset[str] = frozenset(),
                       prefer: str | None = None) -> None:
@@ -290,26 +302,6 @@ class Cluster:
                 continue
             tracked.instance = name
             return
-
-    def place_held(self) -> None:
-        """Place the requests held while no instance was up (end of a reconfiguration)."""
-        settled = []
-        with self._lock:
-            held, self._held = self._held, []
-            for tracked, h in held:
-                if h.request.id in self._abort_wanted:
-                    h.request.transition(RequestState.FINISHED_ABORTED, self.clock())
-                    settled.append((h.future, RequestResult.of(h.request)))
-                    continue
-                try:
-                    self._place_locked(tracked, h)
-                except NoInstanceAvailable as err:
-                    settled.append((h.future, err))
-        for fut, outcome in settled:
-            if isinstance(outcome, BaseException):
-                _fail(fut, outcome)
-            else:
-                _resolve(fut, outcome)
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
