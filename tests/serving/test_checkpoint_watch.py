@@ -67,6 +67,9 @@ def watched(tmp_path):
     cluster.stop()
 
 
+# orbax abandons the reads of the other arrays when the first damaged one fails; their coroutines
+# are then collected unawaited, which pytest reports as unraisable (harmless: nothing was loaded)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_watcher_follows_training_and_skips_partial_and_corrupt_steps(watched):
     run, cluster, watcher = watched
     assert cluster.model_source.endswith("@1") and watcher.last_step == 1
