@@ -19,6 +19,7 @@ while a push is in flight (old and new weights coexist until the swap), and the 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -65,7 +66,8 @@ class Server:
         from dilaserve_jax.serving.push import PlanCache, WeightPusher
 
         if jax.process_count() > 1:
-            raise ValueError("Server runs in a single process; for multi-host serving use `python -m dilaserve_jax.serve`")
+            raise ValueError("Server runs in a single process; for multi-host serving use "
+                             "`python -m dilaserve_jax.serve`")
         self._say = say or log.info
         if compile_cache is not None:
             from dilaserve_jax.decoding.compiled import enable_compile_cache
@@ -81,7 +83,7 @@ class Server:
         serving, plans = _serving_model(self.config, layout, model_cfg, params, tokenizer, f"{name}:initial")
         self.cluster = build_cluster(self.config, self._say, layout=layout, model=serving)
         self._pusher = WeightPusher(self.cluster, plans)
-        self._name, self._pushes = name, 0
+        self._name, self._push_numbers = name, itertools.count(1)
         self._push_thread = ThreadPoolExecutor(1, thread_name_prefix="dilaserve-push")
         self._ready, self._warm_error = threading.Event(), None
         self._stopped = False
@@ -144,7 +146,8 @@ class Server:
 
     def stop(self, grace_s: float | None = None) -> bool:
         """Health NOT_SERVING, refuse new calls, let in-flight ones finish (up to the grace period), then
-        stop the watcher, pending pushes, the engines and the event loop. True if every call finished."""
+        stop the watcher, pending pushes, the engines and the event loop (a warm-up still compiling is
+        waited for: a compilation cannot be interrupted). True if every call finished."""
         if self._stopped:
             return True
         self._stopped = True
@@ -177,8 +180,7 @@ class Server:
         if self._stopped:
             raise RuntimeError("the server is stopped")
         t0 = time.perf_counter()
-        self._pushes += 1
-        dispatched = self._pusher.dispatch(params, label or f"{self._name}:push {self._pushes}")
+        dispatched = self._pusher.dispatch(params, label or f"{self._name}:push {next(self._push_numbers)}")
         dispatch_s = time.perf_counter() - t0
         return self._push_thread.submit(self._complete, dispatched, dispatch_s)
 
@@ -186,6 +188,8 @@ class Server:
         t0 = time.perf_counter()
         report = self._pusher.complete(dispatched)
         total = time.perf_counter() - t0
+        log.info("pushed weights %s swapped in (%.0f ms on the caller's thread, %.0f ms until copied, %.0f ms swap)",
+                 dispatched.label, 1e3 * dispatch_s, 1e3 * (total - report.seconds), 1e3 * report.seconds)
         return PushReport(dispatched.label, dispatch_s, total - report.seconds, report.seconds,
                           dict(report.swapped_at))
 
@@ -220,7 +224,8 @@ def _split(model, params):
     if isinstance(model, tuple) and len(model) == 2 and params is None:
         model, params = model
     if params is None:
-        raise ValueError("a graphdef needs its params: Server(graphdef, params, ...) or Server((graphdef, params), ...)")
+        raise ValueError("a graphdef needs its params: Server(graphdef, params, ...) or "
+                         "Server((graphdef, params), ...)")
     return nnx.merge(model, params).cfg, params
 
 

@@ -21,7 +21,8 @@ def test_help_lists_the_sharing_options(capsys):
     (["--devices", "4-x", "--mesh", "2x2"], "cannot parse '4-x'"),
     (["--devices", "4-7", "--mesh", "2x2", "--kv-memory-gb", "1e-9"], "holds no slot"),
     (["--mesh", "2x4", "--kv-memory-gb", "-1"], "KV memory budget must be positive"),
-    (["--mesh", "2x4", "--watch-checkpoints", "/tmp", "--watch-interval-s", "0"], "--watch-interval-s must be positive"),
+    (["--mesh", "2x4", "--watch-checkpoints", "/tmp", "--watch-interval-s", "0"],
+     "--watch-interval-s must be positive"),
 ])
 def test_bad_shares_exit_2_with_the_reason(argv, message, capsys):
     assert main(BASE + argv) == 2

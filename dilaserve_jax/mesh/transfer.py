@@ -38,7 +38,8 @@ class _Piece:
 
 
 class TransferPlan:
-    def __init__(self, sources: Sequence[tuple[tuple, object, object]], targets: Sequence, dtypes: Sequence | None = None):
+    def __init__(self, sources: Sequence[tuple[tuple, object, object]], targets: Sequence,
+                 dtypes: Sequence | None = None):
         """`sources`: per leaf (shape, dtype, sharding) of the input; `targets`: per leaf the output
         sharding; `dtypes`: per leaf the output dtype (default: unchanged)."""
         if len(sources) != len(targets):

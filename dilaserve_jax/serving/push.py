@@ -90,8 +90,9 @@ class WeightPusher:
         """Check, cast and enqueue the copies into the first instance (see the module doc)."""
         params = params_of(params)
         if jax.tree.structure(params) != self._structure:
+            got = jax.tree.structure(params).num_leaves
             raise IncompatibleWeights("pushed params do not have the served model's tree structure "
-                                      f"({jax.tree.structure(params).num_leaves} leaves vs {self._structure.num_leaves})")
+                                      f"({got} leaves vs {self._structure.num_leaves})")
         for k, (leaf, (shape, _)) in enumerate(zip(jax.tree.leaves(params), self._avals)):
             if not isinstance(leaf, jax.Array):
                 raise TypeError(f"pushed params must be jax arrays on devices; leaf {k} is {type(leaf).__name__}")
