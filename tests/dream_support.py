@@ -8,6 +8,8 @@ from flax import nnx
 from dilaserve_jax.models import ModelConfig, init_model
 from dilaserve_jax.models.hf import save_hf_checkpoint
 
+BIAS_SCALE = 0.1  # larger biases swamp the positional signal: every masked position proposes one token
+
 
 def random_dream_params(cfg: ModelConfig, seed: int = 0, head_scale: float = 1.0):
     """(graphdef, params) of cfg with every parameter random: init_model leaves biases at zero and
@@ -18,7 +20,7 @@ def random_dream_params(cfg: ModelConfig, seed: int = 0, head_scale: float = 1.0
     for i, block in enumerate(model.blocks):
         for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
             bias = getattr(block, name).bias
-            bias[...] = 0.5 * jax.random.normal(jax.random.fold_in(key, 10 * i + j), bias[...].shape, bias[...].dtype)
+            bias[...] = BIAS_SCALE * jax.random.normal(jax.random.fold_in(key, 10 * i + j), bias[...].shape, bias[...].dtype)
         for j, norm in enumerate((block.attn_norm, block.ff_norm)):
             noise = jax.random.normal(jax.random.fold_in(key, 10 * i + 5 + j), norm.weight[...].shape)
             norm.weight[...] = (1.0 + 0.3 * noise).astype(norm.weight[...].dtype)
