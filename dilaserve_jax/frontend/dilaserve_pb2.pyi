@@ -123,18 +123,20 @@ class InstanceState(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tp_degree: _Optional[int] = ..., device_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps_done: _Optional[int] = ...) -> None: ...
 
 class ClusterState(_message.Message):
-    __slots__ = ("layout", "policy", "model", "instances", "serving")
+    __slots__ = ("layout", "policy", "model", "instances", "serving", "model_family")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FAMILY_FIELD_NUMBER: _ClassVar[int]
     layout: str
     policy: str
     model: str
     instances: _containers.RepeatedCompositeFieldContainer[InstanceState]
     serving: bool
-    def __init__(self, layout: _Optional[str] = ..., policy: _Optional[str] = ..., model: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceState, _Mapping]]] = ..., serving: _Optional[bool] = ...) -> None: ...
+    model_family: str
+    def __init__(self, layout: _Optional[str] = ..., policy: _Optional[str] = ..., model: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceState, _Mapping]]] = ..., serving: _Optional[bool] = ..., model_family: _Optional[str] = ...) -> None: ...
 
 class ReloadWeightsRequest(_message.Message):
     __slots__ = ("directory", "step")

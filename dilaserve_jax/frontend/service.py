@@ -85,7 +85,8 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
     def _cluster_state(self) -> pb.ClusterState:
         state = self.cluster.state()
         return pb.ClusterState(
-            layout=state["layout"], policy=state["policy"], model=state["model"], serving=not self.draining,
+            layout=state["layout"], policy=state["policy"], model=state["model"],
+            model_family=state.get("model_family", ""), serving=not self.draining,
             instances=[pb.InstanceState(**inst) for inst in state["instances"]])
 
     async def _run(self, request, context, stream: bool):

@@ -26,12 +26,13 @@ class Cluster:
     def __init__(self, engines: Sequence[Engine], infos: Sequence[InstanceInfo], *, layout: str, policy: str,
                  model_source: str, tokenizer, limits, clock: Callable[[], float] = time.monotonic,
                  reload_fn: Callable[[str, int | None], str] | None = None,
-                 warmup_fn: Callable[[], None] | None = None):
+                 warmup_fn: Callable[[], None] | None = None, model_family: str = ""):
         if len(engines) != len(infos):
             raise ValueError("one InstanceInfo per engine")
         self.engines, self.infos = list(engines), list(infos)
         self.router = Router(self.engines)
         self.layout, self.policy, self.model_source = layout, policy, model_source
+        self.model_family = model_family  # "llada" or "dream"; a reload must keep the architecture, hence it
         self.tokenizer, self.limits, self.clock = tokenizer, limits, clock
         self._reload_fn, self._warmup_fn = reload_fn, warmup_fn
         self._reload_lock = threading.Lock()
@@ -65,7 +66,8 @@ class Cluster:
             instances.append({"name": info.name, "tp_degree": info.tp_degree, "device_ids": list(info.device_ids),
                               "slots": snap.num_slots, "running": len(snap.running_left),
                               "waiting": len(snap.waiting_left), "steps_done": engine.steps})
-        return {"layout": self.layout, "policy": self.policy, "model": self.model_source, "instances": instances}
+        return {"layout": self.layout, "policy": self.policy, "model": self.model_source,
+                "model_family": self.model_family, "instances": instances}
 
     def reload(self, source: str, step: int | None = None) -> tuple[str, float]:
         """Swap in new weights between steps; requests in flight keep running."""
