@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from google.protobuf.json_format import MessageToDict
@@ -22,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tau-max", type=float, help="threshold ceiling")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--token", help="bearer token, if the server requires one")
+    p.add_argument("--token", default=os.environ.get("DILASERVE_AUTH_TOKEN"),
+                   help="bearer token, if the server requires one (default: $DILASERVE_AUTH_TOKEN)")
     p.add_argument("--tls-ca", help="CA certificate (PEM) for a TLS server")
     p.add_argument("--json", action="store_true", help="print the final response as JSON")
     p.add_argument("--state", action="store_true", help="print the cluster state instead of generating")
@@ -44,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with DiLaServeClient(args.target, auth_token=args.token, tls_ca=args.tls_ca) as client:
             if args.state:
-                print(json.dumps(MessageToDict(client.cluster_state()), indent=1))
+                print(json.dumps(MessageToDict(client.cluster_state(), always_print_fields_with_no_presence=True,
+                                               preserving_proto_field_name=True), indent=1))
                 return 0
             if args.stream:
                 final = None
@@ -62,13 +65,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(MessageToDict(final, preserving_proto_field_name=True)))
+        print(json.dumps(MessageToDict(final, preserving_proto_field_name=True,
+                                       always_print_fields_with_no_presence=True)))
     else:
         print(final.text)
-        print(f"[{final.instance}] {len(final.token_ids)} tokens, {final.steps} steps, mean tau {final.mean_tau:.2f}, "
-              f"queue {final.queue_ms:.1f} ms, decode {final.decode_ms:.1f} ms, total {final.total_ms:.1f} ms, "
-              f"deadline {'met' if final.deadline_met else 'missed'} ({final.deadline_ms:.0f} ms)", file=sys.stderr)
+        print(f"[{final.instance}] {len(final.token_ids)} tokens, {describe_finish(final.finish_reason)}, "
+              f"{final.steps} steps, mean tau {final.mean_tau:.2f}, queue {final.queue_ms:.1f} ms, decode "
+              f"{final.decode_ms:.1f} ms, total {final.total_ms:.1f} ms, deadline "
+              f"{'met' if final.deadline_met else 'missed'} ({final.deadline_ms:.0f} ms)"
+              + (f", moved {final.moves}x" if final.moves else ""), file=sys.stderr)
     return 0
+
+
+def describe_finish(reason: int) -> str:
+    from dilaserve_jax.frontend import dilaserve_pb2 as pb
+
+    return {pb.FINISH_REASON_STOP: "finished: stop (the answer ended)",
+            pb.FINISH_REASON_LENGTH: "finished: length (cut by max_new_tokens; raise it for the rest)",
+            pb.FINISH_REASON_ABORTED: "finished: aborted"}.get(reason, "finished: unspecified")
 
 
 if __name__ == "__main__":

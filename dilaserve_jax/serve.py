@@ -10,6 +10,7 @@ import sys
 import threading
 
 from dilaserve_jax.mesh.distributed import add_distributed_args, distributed_config, init_distributed
+from dilaserve_jax.serving import limits as defaults
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9464
@@ -29,24 +30,37 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"Prometheus metrics port (default {DEFAULT_METRICS_PORT}; -1 disables)")
     p.add_argument("--policy", default="dilaserve", choices=("dilaserve", "edf-static", "fcfs-static"),
                    help="scheduling policy (default dilaserve)")
-    p.add_argument("--default-slo-ms", type=float, default=10_000.0,
-                   help="deadline for calls with neither a gRPC deadline nor slo_ms (default 10000)")
-    p.add_argument("--default-max-new-tokens", type=int, default=12,
-                   help="answer length for calls that do not set max_new_tokens (default 12: the tiny model's "
-                        "answer area for its short tasks; raise it for real checkpoints)")
-    p.add_argument("--max-queue", type=int, default=256, help="waiting requests per instance before RESOURCE_EXHAUSTED")
-    p.add_argument("--slots", type=int, default=8, help="concurrent requests (decode slots) per instance (default 8)")
+    p.add_argument("--default-slo-ms", type=float, default=defaults.DEFAULT_SLO_MS,
+                   help=f"deadline for calls with neither a gRPC deadline nor slo_ms (default {defaults.DEFAULT_SLO_MS:g})")
+    p.add_argument("--default-max-new-tokens", type=int, default=defaults.DEFAULT_MAX_NEW_TOKENS,
+                   help=f"answer length for calls that do not set max_new_tokens (default "
+                        f"{defaults.DEFAULT_MAX_NEW_TOKENS}: the tiny model's answer area for its short tasks; raise "
+                        "it for real checkpoints)")
+    p.add_argument("--max-queue", type=int, default=defaults.DEFAULT_MAX_QUEUE,
+                   help=f"waiting requests per instance before RESOURCE_EXHAUSTED (default {defaults.DEFAULT_MAX_QUEUE})")
+    p.add_argument("--slots", type=int, default=defaults.DEFAULT_SLOTS,
+                   help=f"concurrent requests (decode slots) per instance (default {defaults.DEFAULT_SLOTS})")
     p.add_argument("--cache", default="dual", choices=("dual", "prefix", "none"), help="KV cache mode (default dual)")
     p.add_argument("--attention", default="auto", choices=("auto", "xla", "pallas"),
                    help="attention implementation; auto = Pallas on GPU/TPU, XLA on CPU")
-    p.add_argument("--tau-min", type=float, default=0.5, help="default quality floor (default 0.5)")
-    p.add_argument("--tau-max", type=float, default=1.0, help="default threshold ceiling (default 1.0)")
+    p.add_argument("--tau-min", type=float, default=defaults.DEFAULT_TAU_MIN,
+                   help=f"default quality floor (default {defaults.DEFAULT_TAU_MIN})")
+    p.add_argument("--tau-max", type=float, default=defaults.DEFAULT_TAU_MAX,
+                   help=f"default threshold ceiling (default {defaults.DEFAULT_TAU_MAX})")
+    p.add_argument("--step-timeout-s", type=float, default=defaults.DEFAULT_STEP_TIMEOUT_S,
+                   help="watchdog: an instance whose step runs longer than this is failed and its requests move to "
+                        f"the others (default {defaults.DEFAULT_STEP_TIMEOUT_S:g}; 0 disables)")
     p.add_argument("--profile", help="step-latency profile JSON (from `python -m dilaserve_jax.bench.profile`); "
                                      "measured at start-up when omitted")
     p.add_argument("--prior", help="eval rows (`python -m dilaserve_jax.tasks.eval --json`) for the threshold "
                                    "controller's tokens-per-step prior; default: eval*.json beside the weights")
     p.add_argument("--auth-token", default=os.environ.get("DILASERVE_AUTH_TOKEN"),
                    help="require 'authorization: Bearer TOKEN' on every call (or set DILASERVE_AUTH_TOKEN)")
+    p.add_argument("--admin-token", default=os.environ.get("DILASERVE_ADMIN_TOKEN"),
+                   help="token for the admin calls ReloadWeights and Reconfigure (or set DILASERVE_ADMIN_TOKEN); "
+                        "without it they are allowed on a loopback address only")
+    p.add_argument("--weights-root", action="append", default=[], metavar="DIR",
+                   help="a directory ReloadWeights may read from, besides the served model's own (repeatable)")
     p.add_argument("--tls-cert", help="PEM certificate chain for TLS (with --tls-key)")
     p.add_argument("--tls-key", help="PEM private key for TLS (with --tls-cert)")
     p.add_argument("--compile-cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dilaserve_jax", "xla"),
@@ -72,6 +86,8 @@ def present_cpu_devices(mesh: str, processes: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # JAX probes every backend at start-up; on a machine without a TPU that probe's INFO line is noise
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     try:
         dist = distributed_config(args)
@@ -91,10 +107,12 @@ def main(argv: list[str] | None = None) -> int:
                              cache_mode=args.cache, attention=args.attention, max_queue=args.max_queue,
                              default_slo_ms=args.default_slo_ms, tau_min=args.tau_min, tau_max=args.tau_max,
                              profile=args.profile, prior=args.prior,
-                             default_max_new_tokens=args.default_max_new_tokens)
+                             default_max_new_tokens=args.default_max_new_tokens,
+                             step_timeout_s=args.step_timeout_s or None)
         options = ServerOptions(host=args.host, port=args.port,
                                 metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-                                auth_token=args.auth_token, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                                auth_token=args.auth_token, admin_token=args.admin_token,
+                                weights_roots=tuple(args.weights_root), tls_cert=args.tls_cert, tls_key=args.tls_key,
                                 grace_s=args.grace_s)
         cluster = build_cluster(config, say)
     except (ValueError, FileNotFoundError) as err:
@@ -110,6 +128,11 @@ async def _serve(cluster, options, say) -> int:
     scheme = "grpcs" if options.tls_cert else "grpc"
     say(f"listening on {scheme}://{options.host}:{running.port} (health NOT_SERVING while compiling)"
         + (f"; metrics on http://{options.host}:{running.metrics_port}/metrics" if running.metrics_port else ""))
+    say("auth: " + ("on (every call needs 'authorization: Bearer <token>')" if options.auth_token else "off")
+        + "; admin calls (ReloadWeights, Reconfigure): "
+        + ("need the admin token" if options.admin_token else "allowed on loopback" if running.access.admin_open
+           else f"REFUSED: {options.host} is not loopback and no --admin-token is set")
+        + "; reloads may read " + ", ".join(map(str, running.service.weights_roots)))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -120,9 +143,11 @@ async def _serve(cluster, options, say) -> int:
     if warm in done:
         warm.result()
         await running.set_serving(True)
+        token = " --token $DILASERVE_AUTH_TOKEN" if options.auth_token else ""
+        tls = f" --tls-ca {options.tls_cert}" if options.tls_cert else ""
         say(f"ready: serving {cluster.model_source} with policy {cluster.policy} on "
             f"{options.host}:{running.port} (try: python -m dilaserve_jax.client --target "
-            f"{options.host}:{running.port} \"sort 93142=\")")
+            f"{options.host}:{running.port}{token}{tls} \"sort 93142=\")")
         await stop.wait()
     say(f"draining: letting in-flight calls finish (up to {options.grace_s:.0f} s)")
     finished = await running.drain_and_stop()

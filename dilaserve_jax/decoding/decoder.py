@@ -120,12 +120,14 @@ class SlotDecoder:
         self.warm_up_seconds = self.compiled.warm_up(self.step_shapes(), params, self.state, self._placement,
                                                      progress) if warm_up else 0.0
 
-    def warm_up(self, progress: bool | None = None) -> float:
+    def warm_up(self, progress: bool | None = None, label: str = "") -> float:
         """Compile (or fetch) every step shape for the current placement now; returns seconds.
-        For callers that construct with warm_up=False to do this later (e.g. after a server is up)."""
+        For callers that construct with warm_up=False to do this later (e.g. after a server is up);
+        `label` names the progress bar (e.g. the instance)."""
         self._eager_compile = True
         self.warm_up_seconds = self.compiled.warm_up(self.step_shapes(), self.params, self.state,
-                                                     self._placement, self._progress if progress is None else progress)
+                                                     self._placement, self._progress if progress is None else progress,
+                                                     label)
         return self.warm_up_seconds
 
     def step_shapes(self) -> list[StepShape]:
@@ -142,10 +144,13 @@ class SlotDecoder:
 
     def reload(self, params) -> None:
         """Swap weights between steps (same structure). Weights placed as before reuse every
-        executable; a new placement compiles all step shapes now, not at the next step."""
+        executable; a new placement compiles all step shapes now, not at the next step. Every
+        slot's cached K/V came from the old weights, so each slot's next step must refresh."""
         if jax.tree.structure(params) != jax.tree.structure(self.params):
             raise ValueError("reload: params have a different structure from the current ones")
         self.params = params
+        for info in self._slots.values():
+            info.needs_refresh = True
         placement = leaf_placement(params) + self._state_placement
         if placement != self._placement:
             self._placement = placement
@@ -153,8 +158,13 @@ class SlotDecoder:
                 self.compiled.warm_up(self.step_shapes(), params, self.state, placement, self._progress)
 
     def admit(self, slot: int, prompt_tokens: Sequence[int], answer_length: int, block_length: int, *,
-              temperature: float = 0.0, seed: int = 0) -> None:
-        """Place a fresh canvas in `slot` (which must be free); its next step must be a refresh."""
+              temperature: float = 0.0, seed: int = 0, committed: Sequence[int | None] | None = None,
+              steps_done: int = 0) -> None:
+        """Place a canvas in `slot` (which must be free); its next step must be a refresh.
+
+        A request resuming here (moved from another instance) passes `committed`, its answer tokens
+        by position (None = masked), and `steps_done` (sampling keys continue from there); its
+        current block is the first one with a masked position."""
         self._check_slot(slot)
         if slot in self._slots:
             raise ValueError(f"slot {slot} is occupied; release it first")
@@ -174,13 +184,38 @@ class SlotDecoder:
         row = np.full((self.config.max_length,), self.cfg.pad_id, np.int32)
         row[:len(prompt)] = prompt
         row[len(prompt):total] = self.cfg.mask_id
+        block_start = len(prompt) + self._resume(row[len(prompt):total], committed, block_length)
+        if steps_done < 0:
+            raise ValueError(f"steps_done must be >= 0, got {steps_done}")
         exe = self.compiled.get(ADMIT, self.params, self.state, self._placement)
         args = [put_small(v, dt, self._small) for v, dt in (
             (slot, np.int32), (row, np.int32), (len(prompt), np.int32), (answer_length, np.int32),
-            (block_length, np.int32), (temperature, np.float32), (seed % 2**32, np.uint32))]
+            (block_start, np.int32), (block_length, np.int32), (temperature, np.float32), (seed % 2**32, np.uint32),
+            (steps_done, np.int32))]
         self.state = exe(self.state, *args)
-        self._slots[slot] = _Slot(len(prompt), answer_length, block_length, length, block, len(prompt),
+        self._slots[slot] = _Slot(len(prompt), answer_length, block_length, length, block, block_start,
                                   needs_refresh=True, finished=False, canvas=row[:total].copy())
+
+    def _resume(self, answer: np.ndarray, committed: Sequence[int | None] | None, block_length: int) -> int:
+        """Write a resuming request's committed tokens into its answer area (in place); returns the
+        answer-relative start of its current block (0 for a fresh request)."""
+        if committed is None:
+            return 0
+        if len(committed) != answer.size:
+            raise ValueError(f"committed has {len(committed)} positions, the answer area {answer.size}")
+        tokens = [t for t in committed if t is not None]
+        if any(not 0 <= int(t) < self.cfg.vocab_size or int(t) == self.cfg.mask_id for t in tokens):
+            raise ValueError("committed tokens must be in the vocabulary and must not be the mask token")
+        masked = [i for i, t in enumerate(committed) if t is None]
+        if not masked:
+            raise ValueError("a resuming request needs at least one masked position (it would be finished)")
+        start = masked[0] // block_length * block_length
+        if any(t is not None for t in committed[start + block_length:]):
+            raise ValueError("committed tokens lie beyond the current block")
+        for i, t in enumerate(committed):
+            if t is not None:
+                answer[i] = int(t)
+        return start
 
     def release(self, slot: int) -> None:
         """Forget the slot's request (its device rows are overwritten by the next admission)."""

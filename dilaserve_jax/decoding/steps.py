@@ -120,14 +120,17 @@ def decode_step(graphdef, params, state: DecodeState, slots, taus, *, shape: Ste
     return new_state, StepOutput(out_pos, out_tok, n_committed, max_conf, block_done, finished)
 
 
-def admit_slot(state: DecodeState, slot, row, prompt_len, answer_len, block_len, temperature, seed) -> DecodeState:
-    """Place a fresh canvas row [L] (prompt, masks, padding) in `slot`; its next step must refresh."""
+def admit_slot(state: DecodeState, slot, row, prompt_len, answer_len, block_start, block_len, temperature, seed,
+               steps) -> DecodeState:
+    """Place a canvas row [L] (prompt, answer area, padding) in `slot`; its next step must refresh.
+    A fresh request has an all-mask answer area, block_start = prompt_len and steps = 0; one that
+    resumes here (migration, failure) brings its committed tokens, current block and step count."""
     return state.replace(
         canvas=state.canvas.at[slot].set(row),
         prompt_len=state.prompt_len.at[slot].set(prompt_len),
         answer_len=state.answer_len.at[slot].set(answer_len),
-        block_start=state.block_start.at[slot].set(prompt_len),
+        block_start=state.block_start.at[slot].set(block_start),
         block_len=state.block_len.at[slot].set(block_len),
         temperature=state.temperature.at[slot].set(temperature),
         seed=state.seed.at[slot].set(seed),
-        steps=state.steps.at[slot].set(0))
+        steps=state.steps.at[slot].set(steps))

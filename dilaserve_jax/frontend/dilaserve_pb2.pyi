@@ -49,7 +49,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., block_length: _Optional[int] = ..., slo_ms: _Optional[float] = ..., tau_min: _Optional[float] = ..., tau_max: _Optional[float] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "steps", "mean_tau", "queue_ms", "decode_ms", "total_ms", "deadline_met", "deadline_ms", "instance")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "steps", "mean_tau", "queue_ms", "decode_ms", "total_ms", "deadline_met", "deadline_ms", "instance", "moves")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class GenerateResponse(_message.Message):
     DEADLINE_MET_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    MOVES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -74,7 +75,8 @@ class GenerateResponse(_message.Message):
     deadline_met: bool
     deadline_ms: float
     instance: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., steps: _Optional[int] = ..., mean_tau: _Optional[float] = ..., queue_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., deadline_met: _Optional[bool] = ..., deadline_ms: _Optional[float] = ..., instance: _Optional[str] = ...) -> None: ...
+    moves: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., steps: _Optional[int] = ..., mean_tau: _Optional[float] = ..., queue_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., deadline_met: _Optional[bool] = ..., deadline_ms: _Optional[float] = ..., instance: _Optional[str] = ..., moves: _Optional[int] = ...) -> None: ...
 
 class StepUpdate(_message.Message):
     __slots__ = ("step", "canvas", "tokens_committed", "total_committed", "tau", "step_kind")
@@ -105,7 +107,7 @@ class ClusterStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InstanceState(_message.Message):
-    __slots__ = ("name", "tp_degree", "device_ids", "slots", "running", "waiting", "steps_done")
+    __slots__ = ("name", "tp_degree", "device_ids", "slots", "running", "waiting", "steps_done", "state", "error")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TP_DEGREE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +115,8 @@ class InstanceState(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     name: str
     tp_degree: int
     device_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -120,23 +124,47 @@ class InstanceState(_message.Message):
     running: int
     waiting: int
     steps_done: int
-    def __init__(self, name: _Optional[str] = ..., tp_degree: _Optional[int] = ..., device_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps_done: _Optional[int] = ...) -> None: ...
+    state: str
+    error: str
+    def __init__(self, name: _Optional[str] = ..., tp_degree: _Optional[int] = ..., device_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps_done: _Optional[int] = ..., state: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class ClusterState(_message.Message):
-    __slots__ = ("layout", "policy", "model", "instances", "serving", "model_family")
+    __slots__ = ("layout", "policy", "model", "instances", "serving", "family", "failures", "migrations", "reloads", "in_flight")
+    class FailuresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class MigrationsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
-    MODEL_FAMILY_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    RELOADS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     layout: str
     policy: str
     model: str
     instances: _containers.RepeatedCompositeFieldContainer[InstanceState]
     serving: bool
-    model_family: str
-    def __init__(self, layout: _Optional[str] = ..., policy: _Optional[str] = ..., model: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceState, _Mapping]]] = ..., serving: _Optional[bool] = ..., model_family: _Optional[str] = ...) -> None: ...
+    family: str
+    failures: _containers.ScalarMap[str, str]
+    migrations: _containers.ScalarMap[str, int]
+    reloads: int
+    in_flight: int
+    def __init__(self, layout: _Optional[str] = ..., policy: _Optional[str] = ..., model: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceState, _Mapping]]] = ..., serving: _Optional[bool] = ..., family: _Optional[str] = ..., failures: _Optional[_Mapping[str, str]] = ..., migrations: _Optional[_Mapping[str, int]] = ..., reloads: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
 
 class ReloadWeightsRequest(_message.Message):
     __slots__ = ("directory", "step")

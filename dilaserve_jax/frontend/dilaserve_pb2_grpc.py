@@ -88,13 +88,14 @@ class DiLaServeServicer:
 
     def ReloadWeights(self, request, context):
         """Load new weights (a given or the latest orbax step of a training directory) between steps.
+        Admin: needs the admin token; the directory must lie under one of the server's weights roots.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Reconfigure(self, request, context):
-        """Reshape the devices into a new layout (e.g. "8x1" or "4+2+1+1").
+        """Reshape the devices into a new layout (e.g. "8x1" or "4+2+1+1"). Admin, as ReloadWeights.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -21,12 +21,15 @@ class _ClusterCollector:
         state = self.cluster.state()
         queue = GaugeMetricFamily("dilaserve_queue_length", "Requests waiting for a slot", labels=["instance"])
         running = GaugeMetricFamily("dilaserve_running_requests", "Requests holding a slot", labels=["instance"])
+        up = GaugeMetricFamily("dilaserve_instance_up", "1 while the instance serves, 0 once failed or stopped",
+                               labels=["instance"])
         for inst in state["instances"]:
             queue.add_metric([inst["name"]], inst["waiting"])
             running.add_metric([inst["name"]], inst["running"])
+            up.add_metric([inst["name"]], 1.0 if inst["state"] in ("running", "created") else 0.0)
         layout = InfoMetricFamily("dilaserve_layout", "Current device layout and policy")
         layout.add_metric([], {"layout": state["layout"], "policy": state["policy"], "model": state["model"]})
-        yield from (queue, running, layout)
+        yield from (queue, running, up, layout)
 
 
 class ServingMetrics:
@@ -40,6 +43,10 @@ class ServingMetrics:
         self.tau = Histogram("dilaserve_tau", "Threshold used per request step", buckets=TAU_BUCKETS, registry=r)
         self.tokens_per_step = Histogram("dilaserve_tokens_per_step", "Tokens committed per request step",
                                          buckets=TOKEN_BUCKETS, registry=r)
+        self.failures = Counter("dilaserve_instance_failures", "Instances that failed (runner fault, dead loop, "
+                                "watchdog)", ["instance"], registry=r)
+        self.migrations = Counter("dilaserve_migrations", "Requests moved between instances", ["reason"], registry=r)
+        self.reloads = Counter("dilaserve_weight_reloads", "Weight reloads swapped in", registry=r)
         if cluster is not None:
             r.register(_ClusterCollector(cluster))
         self._http = None
@@ -50,6 +57,15 @@ class ServingMetrics:
         for tau, outcome in zip(plan.taus, outcomes):
             self.tau.observe(tau)
             self.tokens_per_step.observe(outcome.n_committed)
+
+    def cluster_event(self, event: str, details: dict) -> None:
+        """Cluster listener (runs on an engine or watchdog thread)."""
+        if event == "failure":
+            self.failures.labels(instance=details["instance"]).inc()
+        elif event == "migration":
+            self.migrations.labels(reason=details["reason"]).inc(details["count"])
+        elif event == "reload":
+            self.reloads.inc()
 
     def finished(self, outcome: str, deadline_met: bool | None = None) -> None:
         self.requests.labels(outcome=outcome).inc()

@@ -10,36 +10,15 @@ import uuid
 from dataclasses import dataclass
 
 from dilaserve_jax.frontend import dilaserve_pb2 as pb
+from dilaserve_jax.serving.limits import MAX_REQUEST_ID_CHARS, Limits
+
+__all__ = ["GenerateSpec", "InvalidRequest", "Limits", "validate"]
 
 
 class InvalidRequest(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """Server-side bounds and defaults for requests."""
-
-    max_len: int  # the model's canvas limit: prompt + answer area
-    vocab_size: int
-    reserved_ids: frozenset[int]  # mask, pad: never valid in a prompt
-    default_max_new_tokens: int = 64
-    default_block_length: int = 32
-    default_slo_ms: float = 10_000.0
-    default_tau_min: float = 0.5
-    default_tau_max: float = 1.0
-    max_block_length: int = 32
-    max_prompt_chars: int = 65_536
-
-    def __post_init__(self):
-        if self.default_max_new_tokens <= 0 or self.default_block_length <= 0:
-            raise ValueError("default max new tokens and block length must be positive")
-        if not 0 < self.default_tau_min <= self.default_tau_max <= 1:
-            raise ValueError("need 0 < default tau_min <= default tau_max <= 1")
-        if self.default_slo_ms <= 0:
-            raise ValueError("default SLO must be positive")
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +96,8 @@ def validate(req: pb.GenerateRequest, tokenizer, limits: Limits) -> GenerateSpec
         raise InvalidRequest("tau_min", f"floor {tau_min} is above the ceiling tau_max {tau_max}")
     if not math.isfinite(req.temperature) or req.temperature < 0:
         raise InvalidRequest("temperature", f"must be >= 0, got {req.temperature}")
-    if len(req.request_id) > 128:
-        raise InvalidRequest("request_id", "longer than 128 characters")
+    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest("request_id", f"longer than {MAX_REQUEST_ID_CHARS} characters")
     request_id = req.request_id or uuid.uuid4().hex
     return GenerateSpec(request_id, prompt, max_new, answer, block, slo_s, tau_min, tau_max,
                         float(req.temperature), int(req.seed))

@@ -7,7 +7,6 @@ held twice in host memory.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Callable
 
@@ -18,12 +17,14 @@ import numpy as np
 from flax import nnx
 
 from dilaserve_jax.models.config import ModelConfig
+from dilaserve_jax.models.files import read_json
 from dilaserve_jax.models.hf_formats import (FORMATS, CheckpointError, detect_family, dream_config, llada_config,
                                              raw_config)
 from dilaserve_jax.models.llada import LLaDAModel
 
 __all__ = ["CheckpointError", "abstract_params", "config_from_hf", "hf_key_to_param", "load_hf_params",
            "param_to_hf_key", "read_hf_config", "save_hf_checkpoint"]
+
 
 def hf_key_to_param(key: str, family: str = "llada") -> tuple[tuple, bool] | None:
     """Map an HF tensor name to (parameter path, transpose?), or None if it is not ours."""
@@ -37,7 +38,7 @@ def param_to_hf_key(path: tuple, family: str = "llada") -> tuple[str, bool]:
 def read_hf_config(path: str | Path) -> tuple[dict, str]:
     """(config.json contents, family) of an HF checkpoint directory."""
     path = Path(path)
-    raw = json.loads((path / "config.json").read_text())
+    raw = read_json(path / "config.json")
     return raw, detect_family(raw, path / "config.json")
 
 
@@ -55,7 +56,7 @@ def _shard_files(path: Path) -> dict[str, list[str]]:
     """Shard file -> the keys it holds."""
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index)["weight_map"]
         files: dict[str, list[str]] = {}
         for key, fname in weight_map.items():
             files.setdefault(fname, []).append(key)
@@ -93,7 +94,7 @@ def _tied_embeddings(path: Path, family: str) -> bool:
     """Dream configs may tie lm_head to the embedding (tie_word_embeddings; false in the released
     checkpoints); the tied head is then loaded from the embedding tensor."""
     config = path / "config.json"
-    return family == "dream" and config.exists() and bool(json.loads(config.read_text()).get("tie_word_embeddings"))
+    return family == "dream" and config.exists() and bool(read_json(config).get("tie_word_embeddings"))
 
 
 def load_hf_params(path: str | Path, cfg: ModelConfig,

@@ -11,6 +11,7 @@ from flax import nnx
 
 from dilaserve_jax.models import config as presets
 from dilaserve_jax.models.config import ModelConfig
+from dilaserve_jax.models.files import build_from_json, read_json
 from dilaserve_jax.models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -34,9 +35,9 @@ def save_model_config(directory: str | Path, cfg: ModelConfig, tokenizer: str = 
 
 
 def _read_model_config(directory: Path) -> tuple[ModelConfig, str]:
-    data = json.loads((directory / CONFIG_FILE).read_text())
+    data = read_json(directory / CONFIG_FILE)
     tokenizer = data.pop("tokenizer", "char")
-    return ModelConfig(**data), tokenizer
+    return build_from_json(ModelConfig, data, directory / CONFIG_FILE), tokenizer
 
 
 def _has_hf_tokenizer(directory: Path) -> bool:
@@ -88,7 +89,7 @@ def load_model(source: str | Path, *, param_dtype: str | None = None, attention:
     if (directory / "config.json").exists():
         cfg = config_from_hf(directory, **overrides)
         graphdef, params = load_hf_params(directory, cfg, place=place)
-        tok_kind = json.loads((directory / "config.json").read_text()).get("dilaserve_tokenizer")
+        tok_kind = read_json(directory / "config.json").get("dilaserve_tokenizer")
         return LoadedModel(cfg, graphdef, params, _tokenizer_for(directory, cfg, tok_kind), f"hf:{directory}")
     if (directory / CONFIG_FILE).exists():
         from dilaserve_jax.models.checkpoint import restore_params

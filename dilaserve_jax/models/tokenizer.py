@@ -1,9 +1,10 @@
 """Tokenizers: one small protocol, a character-level implementation and a `tokenizers` wrapper."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
+
+from dilaserve_jax.models.files import read_json
 
 
 @runtime_checkable
@@ -84,10 +85,10 @@ def added_tokens(directory: Path) -> dict[int, dict]:
     found: dict[int, dict] = {}
     path = directory / "added_tokens.json"
     if path.exists():
-        found |= {int(i): {"content": content, "special": True} for content, i in json.loads(path.read_text()).items()}
+        found |= {int(i): {"content": content, "special": True} for content, i in read_json(path).items()}
     path = directory / "tokenizer_config.json"
     if path.exists():
-        decoder = json.loads(path.read_text()).get("added_tokens_decoder") or {}
+        decoder = read_json(path).get("added_tokens_decoder") or {}
         found |= {int(i): dict(entry) for i, entry in decoder.items()}
     return found
 

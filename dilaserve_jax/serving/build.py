@@ -16,13 +16,14 @@ from jax.sharding import PartitionSpec as P
 
 from dilaserve_jax.decoding.compiled import CompiledSteps
 from dilaserve_jax.decoding.state import init_state, state_shardings
-from dilaserve_jax.frontend.validation import Limits
 from dilaserve_jax.kernels import describe_attention
 from dilaserve_jax.mesh import Layout, kv_cache_sharding, load_into_layout
 from dilaserve_jax.models.hf import abstract_params
-from dilaserve_jax.serving.cluster import Cluster, InstanceInfo
+from dilaserve_jax.serving import limits as defaults
+from dilaserve_jax.serving.cluster import Cluster, IncompatibleWeights, InstanceInfo, NewWeights, WeightsError
 from dilaserve_jax.serving.engine import Engine
 from dilaserve_jax.serving.latency import LatencyModel, Profile
+from dilaserve_jax.serving.limits import Limits
 from dilaserve_jax.serving.runner import JaxRunner
 from dilaserve_jax.serving.scheduler import POLICIES, Scheduler, SchedulerConfig
 from dilaserve_jax.serving.threshold import ThresholdConfig, eval_rows_beside, prior_from_eval_json
@@ -35,18 +36,19 @@ class ServeConfig:
     model: str = "tiny"
     mesh: str = "2x4"
     policy: str = "dilaserve"
-    slots: int = 8  # per instance
+    slots: int = defaults.DEFAULT_SLOTS  # per instance
     length_buckets: tuple[int, ...] = ()  # default: half and all of min(max_len, DEFAULT_MAX_CANVAS)
     block_buckets: tuple[int, ...] = (32,)  # smaller client blocks run padded in the 32 bucket
     cache_mode: str = "dual"
     attention: str = "auto"
     param_dtype: str | None = None
-    max_queue: int = 256
-    default_slo_ms: float = 10_000.0
-    default_max_new_tokens: int = 12
-    default_block_length: int = 32
-    tau_min: float = 0.5
-    tau_max: float = 1.0
+    max_queue: int = defaults.DEFAULT_MAX_QUEUE
+    default_slo_ms: float = defaults.DEFAULT_SLO_MS
+    default_max_new_tokens: int = defaults.DEFAULT_MAX_NEW_TOKENS
+    default_block_length: int = defaults.DEFAULT_BLOCK_LENGTH
+    tau_min: float = defaults.DEFAULT_TAU_MIN
+    tau_max: float = defaults.DEFAULT_TAU_MAX
+    step_timeout_s: float | None = defaults.DEFAULT_STEP_TIMEOUT_S  # watchdog; None disables
     profile: str | None = None  # latency profile JSON; default: measured on the instances at start-up
     prior: str | None = None  # eval --json rows for the τ -> tokens/step prior; default: eval*.json beside the weights
     allow_unused_devices: bool = False
@@ -63,6 +65,12 @@ class ServeConfig:
                              f"bucket {max(self.block_buckets)}")
         if self.profile is not None and not Path(self.profile).is_file():
             raise ValueError(f"latency profile {self.profile} does not exist")
+        if self.default_max_new_tokens < 1:
+            raise ValueError(f"default max new tokens must be >= 1, got {self.default_max_new_tokens}")
+        if not 0 < self.tau_min <= self.tau_max <= 1:
+            raise ValueError(f"need 0 < tau_min <= tau_max <= 1, got {self.tau_min}, {self.tau_max}")
+        if self.step_timeout_s is not None and self.step_timeout_s <= 0:
+            raise ValueError(f"step timeout must be positive, got {self.step_timeout_s}")
 
 
 @dataclass
@@ -131,15 +139,16 @@ def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print) -> Clust
                                           max_queue=cfg.max_queue, threshold=threshold), placeholder)
         engines.append(Engine(runner, sched, name=info.name))
 
-    def warm_up() -> None:
-        for runner, info in zip(runners, infos):
+    def warm_up(cluster: Cluster) -> None:
+        """On each engine's own thread (it owns the runner), one instance after the other."""
+        for engine, info in zip(engines, infos):
             t = time.perf_counter()
-            runner.warm_up(progress=True)
+            engine.call(lambda r=engine.runner, n=info.name: r.warm_up(progress=True, label=n)).result()
             say(f"{info.name} (TP {info.tp_degree}, devices {list(info.device_ids)}): compiled and warmed "
-                f"{len(runner.decoder.config.step_shapes())} step shapes in {time.perf_counter() - t:.1f} s")
+                f"{len(engine.runner.decoder.config.step_shapes())} step shapes in {time.perf_counter() - t:.1f} s")
         missing = {i.tp_degree for i in infos} - set(given.tp_degrees if given else ())
         if missing:
-            _measure_latency(runners, infos, cfg, lengths, engines, say, missing, given)
+            _measure_latency(engines, infos, cfg, lengths, say, missing, given)
 
     tok = model.tokenizer
     limits = Limits(max_len=max(lengths), vocab_size=model.config.vocab_size,
@@ -148,19 +157,27 @@ def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print) -> Clust
                     default_block_length=cfg.default_block_length, default_slo_ms=cfg.default_slo_ms,
                     default_tau_min=cfg.tau_min, default_tau_max=cfg.tau_max, max_block_length=max(cfg.block_buckets))
 
-    def reload(source: str, step: int | None) -> str:
-        new = load_serving_model(cfg, layout, source, step)
+    def load(source: str, step: int | None) -> NewWeights:
+        """Runs on the caller's thread: new arrays only; the engines swap them in on their own."""
+        try:
+            new = load_serving_model(cfg, layout, source, step)
+        except Exception as err:  # noqa: BLE001 - any unreadable input is the caller's to fix
+            raise WeightsError(f"cannot load weights from {source!r}: {type(err).__name__}: {err}") from err
         if jax.tree.structure(new.per_instance[0]) != jax.tree.structure(model.per_instance[0]) \
                 or new.config.replace(name=model.config.name) != model.config:
-            raise ValueError(f"{source} has a different architecture from the served model")
-        for runner, params in zip(runners, [p for p in new.per_instance if p is not None]):
-            runner.reload(params)
+            raise IncompatibleWeights(f"{source!r} holds a different architecture from the served model "
+                                      f"({_describe(new.config)} vs {_describe(model.config)})")
+        local = [p for p in new.per_instance if p is not None]
         model.per_instance, model.source = new.per_instance, new.source
-        return new.source
+        return NewWeights(new.source, {info.name: params for info, params in zip(infos, local)})
 
     return Cluster(engines, infos, layout=str(layout.spec), policy=cfg.policy, model_source=model.source,
-                   tokenizer=tok, limits=limits, reload_fn=reload, warmup_fn=warm_up,
-                   model_family=model.config.family)
+                   tokenizer=tok, limits=limits, loader=load, warmup_fn=warm_up, step_timeout_s=cfg.step_timeout_s,
+                   family=model.config.family)
+
+
+def _describe(c) -> str:
+    return f"{c.n_layers} layers, d_model {c.d_model}, {c.n_heads}/{c.n_kv_heads} heads, vocab {c.vocab_size}"
 
 
 def _threshold_config(cfg: ServeConfig, source: str, say) -> ThresholdConfig:
@@ -181,18 +198,21 @@ def _provisional_latency() -> LatencyModel:
     return LatencyModel.from_profile(fake_profile())
 
 
-def _measure_latency(runners, infos, cfg, lengths, engines, say, tps: set[int], given: LatencyModel | None) -> None:
-    """Profile one instance of each TP degree the given profile (if any) lacks, and install the fits."""
+def _measure_latency(engines, infos, cfg, lengths, say, tps: set[int], given: LatencyModel | None) -> None:
+    """Profile one instance of each TP degree the given profile (if any) lacks, on its engine thread,
+    and install the fits (also on the engine threads)."""
     from dilaserve_jax.serving.profiling import measure_profile
 
     t = time.perf_counter()
     by_tp: dict[int, LatencyModel] = {tp: given for tp in {i.tp_degree for i in infos} - tps}
-    for runner, info in zip(runners, infos):
+    for engine, info in zip(engines, infos):
         if info.tp_degree in by_tp:
             continue
-        profile = measure_profile(runner, batches=runner.decoder.config.batch_buckets, lengths=lengths,
-                                  blocks=cfg.block_buckets, repeats=2, progress=False)
+        runner = engine.runner
+        profile = engine.call(lambda r=runner: measure_profile(
+            r, batches=r.decoder.config.batch_buckets, lengths=lengths, blocks=cfg.block_buckets, repeats=2,
+            progress=False)).result()
         by_tp[info.tp_degree] = LatencyModel.from_profile(profile)
     for engine, info in zip(engines, infos):
-        engine.scheduler.set_latency_model(by_tp[info.tp_degree])
+        engine.set_latency_model(by_tp[info.tp_degree]).result()
     say(f"measured step-latency profile for TP {sorted(tps)} in {time.perf_counter() - t:.1f} s")

@@ -1,18 +1,48 @@
-"""A cluster: the engines of one layout behind a router, plus the operations the frontend needs.
+"""A cluster: the engines of one layout, a router, and what the frontend needs from them.
 
-Pure Python over engines: which runners the engines drive (real jitted decoding, or the fake runner
-in tests) is decided by whoever builds the cluster (see serving/build.py for the real one).
+The cluster owns the table of requests in flight (ids are unique across instances) and moves
+requests between engines: when an instance fails, the requests it held — running and waiting —
+are re-queued on the survivors from their last committed canvas (their next step is a refresh);
+only when no instance survives do they fail, with `NoInstanceAvailable` naming the faults. A
+watchdog thread fails an instance whose runner call outlives `step_timeout_s`.
+
+Pure Python over engines: which runners they drive (real jitted decoding, or the fake runner in
+tests) is decided by whoever builds the cluster (see serving/build.py for the real one).
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from dilaserve_jax.serving.engine import Engine, ProgressFn, RequestHandle
-from dilaserve_jax.serving.request import Request
-from dilaserve_jax.serving.router import Router
+from dilaserve_jax.serving.engine import (Engine, EngineUnavailable, Handoff, ProgressFn, RequestHandle,
+                                          RequestResult)
+from dilaserve_jax.serving.limits import DEFAULT_STEP_TIMEOUT_S
+from dilaserve_jax.serving.request import Request, RequestState
+from dilaserve_jax.serving.router import NoInstanceAvailable, Router
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[str, dict], None]  # (event, details): "failure", "migration", "reload"
+
+
+class DuplicateRequest(ValueError):
+    """A request with this id is already in flight somewhere in the cluster."""
+
+
+class ClusterBusy(RuntimeError):
+    """Another administrative operation (reload, reconfiguration) is under way."""
+
+
+class WeightsError(ValueError):
+    """New weights could not be read (missing, unreadable, corrupt, not a checkpoint)."""
+
+
+class IncompatibleWeights(WeightsError):
+    """New weights were read but do not fit the served model's architecture."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,58 +52,264 @@ class InstanceInfo:
     device_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class NewWeights:
+    """Weights loaded for a reload: a label for the source, and params placed per instance name."""
+
+    source: str
+    params: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadReport:
+    source: str
+    seconds: float
+    swapped_at: Mapping[str, float]  # instance -> engine-clock time of its swap
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Request
+    future: Future
+    on_progress: ProgressFn | None
+    instance: str
+
+
 class Cluster:
     def __init__(self, engines: Sequence[Engine], infos: Sequence[InstanceInfo], *, layout: str, policy: str,
                  model_source: str, tokenizer, limits, clock: Callable[[], float] = time.monotonic,
-                 reload_fn: Callable[[str, int | None], str] | None = None,
-                 warmup_fn: Callable[[], None] | None = None, model_family: str = ""):
+                 loader: Callable[[str, int | None], NewWeights] | None = None,
+                 warmup_fn: Callable[["Cluster"], None] | None = None,
+                 step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S, family: str = ""):
         if len(engines) != len(infos):
             raise ValueError("one InstanceInfo per engine")
+        names = [e.name for e in engines]
+        if len(set(names)) != len(names) or names != [i.name for i in infos]:
+            raise ValueError(f"engine names must be unique and match the infos: {names}")
+        if step_timeout_s is not None and step_timeout_s <= 0:
+            raise ValueError("step_timeout_s must be positive (or None to disable the watchdog)")
         self.engines, self.infos = list(engines), list(infos)
-        self.router = Router(self.engines)
-        self.layout, self.policy, self.model_source = layout, policy, model_source
-        self.model_family = model_family  # "llada" or "dream"; a reload must keep the architecture, hence it
+        self.router = Router()
+        self.layout, self.policy, self.model_source, self.family = layout, policy, model_source, family
         self.tokenizer, self.limits, self.clock = tokenizer, limits, clock
-        self._reload_fn, self._warmup_fn = reload_fn, warmup_fn
-        self._reload_lock = threading.Lock()
+        self.step_timeout_s = step_timeout_s
+        self._loader, self._warmup_fn = loader, warmup_fn
+        self._lock = threading.Lock()  # the in-flight table and placement
+        self._admin = threading.Lock()  # one reload / reconfiguration at a time
+        self._inflight: dict[str, _Tracked] = {}
+        self._abort_wanted: set[str] = set()
+        self._listeners: list[Listener] = []
+        self._watchdog: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.failures: dict[str, str] = {}  # instance -> fault
+        self.migrations: dict[str, int] = {}  # reason -> requests moved
+        self.reloads = 0
         self.ready = False
+        for e in self.engines:
+            e.on_failure = self._on_failure
 
+    # --- lifecycle ---
     def warm_up(self) -> None:
-        """Compile and warm every instance (slow; run it off the event loop)."""
+        """Compile and warm every instance on its engine thread (slow; run it off the event loop)."""
+        if any(e.state.name == "CREATED" for e in self.engines):
+            raise RuntimeError("start the cluster before warming it up (the engines do the work)")
         if self._warmup_fn is not None:
-            self._warmup_fn()
+            self._warmup_fn(self)
         self.ready = True
 
     def start(self) -> "Cluster":
-        self.router.start()
+        for e in self.engines:
+            e.start()
+        if self.step_timeout_s is not None and self._watchdog is None:
+            self._stopping.clear()
+            self._watchdog = threading.Thread(target=self._watch, name="cluster-watchdog", daemon=True)
+            self._watchdog.start()
         return self
 
-    def stop(self) -> None:
-        self.router.stop()
+    def stop(self, timeout: float | None = 5.0) -> None:
+        self._stopping.set()
+        errors = []
+        for e in self.engines:
+            try:
+                e.stop(timeout)
+            except TimeoutError as err:
+                errors.append(err)
+        if self._watchdog is not None:
+            self._watchdog.join(timeout)
+            self._watchdog = None
+        if errors:
+            raise TimeoutError("; ".join(map(str, errors)))
 
+    def add_listener(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    # --- requests ---
     def submit(self, request: Request, on_progress: ProgressFn | None = None) -> RequestHandle:
         if not self.ready:
-            raise RuntimeError("server is still compiling and warming up")
-        return self.router.submit(request, on_progress)
+            raise EngineUnavailable("server is still compiling and warming up")
+        fut: Future = Future()
+        with self._lock:
+            if request.id in self._inflight:
+                raise DuplicateRequest(f"request id {request.id!r} is already in flight")
+            tracked = _Tracked(request, fut, on_progress, "")
+            self._inflight[request.id] = tracked
+            try:
+                self._place_locked(tracked, Handoff(request, fut, on_progress))
+            except BaseException:
+                del self._inflight[request.id]
+                raise
+        fut.add_done_callback(lambda _f, rid=request.id: self._forget(rid))
+        return RequestHandle(request.id, fut, lambda: tracked.instance, lambda: self.abort(request.id))
 
     def abort(self, request_id: str) -> bool:
-        return self.router.abort(request_id)
+        with self._lock:
+            tracked = self._inflight.get(request_id)
+            if tracked is None:
+                return False
+            self._abort_wanted.add(request_id)
+            engine = self.engine(tracked.instance)
+        engine.abort(request_id)
+        return True
+
+    def instance_of(self, request_id: str) -> str | None:
+        with self._lock:
+            t = self._inflight.get(request_id)
+        return t.instance if t else None
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._inflight)
+
+    def engine(self, name: str) -> Engine:
+        for e in self.engines:
+            if e.name == name:
+                return e
+        raise KeyError(name)
+
+    @property
+    def healthy_engines(self) -> list[Engine]:
+        return [e for e in self.engines if e.healthy]
+
+    # --- moving requests ---
+    def requeue(self, handoffs: Sequence[Handoff], reason: str, exclude: frozenset[str] = frozenset()) -> None:
+        """Place requests taken off an instance on the others (their next step is a refresh)."""
+        settled: list[tuple[Future, Any]] = []  # futures are resolved outside the lock: their callbacks take it
+        with self._lock:
+            for h in handoffs:
+                tracked = self._inflight.get(h.request.id)
+                if tracked is None:  # resolved meanwhile
+                    continue
+                if h.request.id in self._abort_wanted:
+                    h.request.transition(RequestState.FINISHED_ABORTED, self.clock())
+                    settled.append((h.future, RequestResult.of(h.request, tracked.instance)))
+                    continue
+                try:
+                    self._place_locked(tracked, h, exclude)
+                except NoInstanceAvailable as err:
+                    settled.append((h.future, err))
+        for fut, outcome in settled:
+            if isinstance(outcome, BaseException):
+                _fail(fut, outcome)
+            else:
+                _resolve(fut, outcome)
+        if handoffs:
+            self.migrations[reason] = self.migrations.get(reason, 0) + len(handoffs)
+            self._emit("migration", {"reason": reason, "count": len(handoffs)})
+
+    def _place_locked(self, tracked: _Tracked, h: Handoff, exclude: frozenset[str] = frozenset()) -> None:
+        tried = set(exclude)
+        while True:
+            snaps = [e.snapshot() for e in self.engines]
+            name = self.router.choose(snaps, h.request, self.clock(), frozenset(tried))
+            try:
+                self.engine(name).submit(h.request, h.on_progress, future=h.future, speed_ratio=h.speed_ratio)
+            except EngineUnavailable:  # it failed since its snapshot: try the others
+                tried.add(name)
+                continue
+            tracked.instance = name
+            return
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._inflight.pop(request_id, None)
+            self._abort_wanted.discard(request_id)
+
+    def _on_failure(self, engine: Engine, handoffs: list[Handoff], error: BaseException) -> None:
+        fault = f"{type(error).__name__}: {error}"
+        self.failures[engine.name] = fault
+        log.error("instance %s failed (%s); re-queueing %d request(s) on the survivors", engine.name, fault,
+                  len(handoffs))
+        self._emit("failure", {"instance": engine.name, "error": fault})
+        self.requeue(handoffs, "failure", exclude=frozenset({engine.name}))
+
+    def _watch(self) -> None:
+        limit = self.step_timeout_s
+        period = min(1.0, limit / 4)
+        while not self._stopping.wait(period):
+            for e in self.engines:
+                e.check_hung(limit)
+
+    def _emit(self, event: str, details: dict) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(event, details)
+            except Exception:  # noqa: BLE001 - an observer must not break serving
+                log.exception("cluster listener failed on %s", event)
+
+    # --- administration ---
+    def reload(self, source: str, step: int | None = None, timeout: float | None = 600.0) -> ReloadReport:
+        """Load new weights and swap them into every serving instance between two of its steps.
+
+        Requests in flight keep running: each one's remaining steps use the new weights, starting
+        with a refresh (its cached K/V came from the old ones). Raises ClusterBusy if another
+        reload or reconfiguration is under way; the loader's errors pass through unchanged (the
+        old weights keep serving)."""
+        if self._loader is None:
+            raise ValueError("this cluster cannot reload weights")
+        if not self._admin.acquire(blocking=False):
+            raise ClusterBusy("another reload or reconfiguration is in progress")
+        try:
+            t0 = time.perf_counter()
+            new = self._loader(source, step)
+            swaps = {e.name: e.swap_weights(new.params[e.name]) for e in self.healthy_engines}
+            swapped = {}
+            for name, fut in swaps.items():
+                try:
+                    swapped[name] = fut.result(timeout)
+                except EngineUnavailable:  # failed meanwhile; its requests moved to the others
+                    pass
+            self.model_source = new.source
+            self.reloads += 1
+            report = ReloadReport(new.source, time.perf_counter() - t0, swapped)
+            self._emit("reload", {"source": new.source, "seconds": report.seconds})
+            return report
+        finally:
+            self._admin.release()
 
     def state(self) -> dict:
         instances = []
         for engine, info in zip(self.engines, self.infos):
             snap = engine.snapshot()
             instances.append({"name": info.name, "tp_degree": info.tp_degree, "device_ids": list(info.device_ids),
-                              "slots": snap.num_slots, "running": len(snap.running_left),
-                              "waiting": len(snap.waiting_left), "steps_done": engine.steps})
-        return {"layout": self.layout, "policy": self.policy, "model": self.model_source,
-                "model_family": self.model_family, "instances": instances}
+                              "slots": snap.load.num_slots, "running": len(snap.load.running_left),
+                              "waiting": len(snap.load.waiting_left) + len(snap.pending), "steps_done": snap.steps,
+                              "state": snap.state.name.lower(), "error": snap.error or ""})
+        return {"layout": self.layout, "policy": self.policy, "model": self.model_source, "family": self.family,
+                "instances": instances, "failures": dict(self.failures), "migrations": dict(self.migrations),
+                "reloads": self.reloads, "in_flight": self.in_flight()}
 
-    def reload(self, source: str, step: int | None = None) -> tuple[str, float]:
-        """Swap in new weights between steps; requests in flight keep running."""
-        if self._reload_fn is None:
-            raise ValueError("this cluster cannot reload weights")
-        with self._reload_lock:
-            t0 = time.perf_counter()
-            self.model_source = self._reload_fn(source, step)
-            return self.model_source, time.perf_counter() - t0
+
+def _fail(fut: Future, err: BaseException) -> None:
+    if not fut.done():
+        try:
+            fut.set_exception(err)
+        except Exception:  # noqa: BLE001 - cancelled concurrently
+            pass
+
+
+def _resolve(fut: Future, value) -> None:
+    if not fut.done():
+        try:
+            fut.set_result(value)
+        except Exception:  # noqa: BLE001 - cancelled concurrently
+            pass

@@ -92,14 +92,27 @@ class FakeRunner:
         self.step_time, self.difficulty, self.real_sleep = step_time, difficulty, real_sleep
         self.slots: dict[int, _Slot] = {}
         self.steps_run: list[tuple[StepKind, tuple[int, ...], tuple[float, ...]]] = []
+        self.weights = 0  # "weights": token values depend on it, so a reload changes answers
 
     def admit(self, slot: int, prompt_tokens: Sequence[int], answer_length: int, block_length: int, *,
-              temperature: float = 0.0, seed: int = 0) -> None:
+              temperature: float = 0.0, seed: int = 0, committed: Sequence[int | None] | None = None,
+              steps_done: int = 0) -> None:
         if not 0 <= slot < self.num_slots or slot in self.slots:
             raise ValueError(f"slot {slot} is out of range or occupied")
         prompt = tuple(prompt_tokens)
-        self.slots[slot] = _Slot(prompt, answer_length, block_length, float(self.difficulty(prompt)),
-                                 [None] * answer_length)
+        st = _Slot(prompt, answer_length, block_length, float(self.difficulty(prompt)), [None] * answer_length)
+        if committed is not None:  # resume: commits are in position order, so a prefix is filled
+            if len(committed) != answer_length:
+                raise ValueError(f"committed has {len(committed)} positions, answer_length {answer_length}")
+            st.committed = next((i for i, t in enumerate(committed) if t is None), answer_length)
+            st.tokens[:st.committed] = committed[:st.committed]
+        self.slots[slot] = st
+
+    def reload(self, params) -> None:
+        """New "weights": later tokens change; every slot's next step must refresh (as the real runner)."""
+        self.weights = int(params)
+        for st in self.slots.values():
+            st.needs_refresh = True
 
     def release(self, slot: int) -> None:
         if self.slots.pop(slot, None) is None:
@@ -132,7 +145,7 @@ class FakeRunner:
         st.credit -= n
         n = min(n, block_end - st.committed)
         positions = tuple(range(st.committed, st.committed + n))
-        tokens = tuple(10 + (sum(st.prompt) * 31 + p * 7) % 1000 for p in positions)
+        tokens = tuple(10 + (sum(st.prompt) * 31 + p * 7 + self.weights * 13) % 1000 for p in positions)
         for p, t in zip(positions, tokens):
             st.tokens[p] = t
         st.committed += n

@@ -38,8 +38,13 @@ class Runner(Protocol):
     tp_degree: int
 
     def admit(self, slot: int, prompt_tokens: Sequence[int], answer_length: int, block_length: int, *,
-              temperature: float = 0.0, seed: int = 0) -> None:
-        """Place a fresh canvas in `slot`; that slot's next step must be REFRESH."""
+              temperature: float = 0.0, seed: int = 0, committed: Sequence[int | None] | None = None,
+              steps_done: int = 0) -> None:
+        """Place a canvas in `slot`; that slot's next step must be REFRESH.
+
+        A request resuming on this instance (migration, failure) passes `committed`, its answer
+        tokens by position (None = still masked; blocks before the first masked one are complete),
+        and `steps_done`, the steps it took elsewhere (sampling keys continue from there)."""
 
     def release(self, slot: int) -> None:
         """Forget the slot's request; the slot may be admitted into again."""
@@ -60,6 +65,8 @@ class Admission:
     block_length: int
     temperature: float = 0.0
     seed: int = 0
+    committed: tuple[int | None, ...] | None = None  # a resuming request's canvas (see Runner.admit)
+    steps_done: int = 0
 
 
 @dataclass(frozen=True, slots=True)

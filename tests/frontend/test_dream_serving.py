@@ -42,7 +42,7 @@ def test_dream_directory_is_served_in_every_cache_mode(dream_dir, cache, mesh):
                                                               tau_min=0.7, tau_max=0.7), PROMPTS * 2))
     finally:
         server.stop()
-    assert state.model_family == "dream" and state.layout == mesh
+    assert state.family == "dream" and state.layout == mesh
     if mesh == "2+1":
         assert [i.tp_degree for i in state.instances] == [2, 1]
         assert {r.instance for r in replies} == {"instance-0", "instance-1"}  # both instances served
