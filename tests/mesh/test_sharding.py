@@ -113,3 +113,17 @@ def test_sharded_values_are_the_original(model, cfg):
     params = place_params(model[1], instance, cfg)
     for a, b in zip(jax.tree_util.tree_leaves(model[1]), jax.tree_util.tree_leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("kv_heads", [1, 2, 8])
+def test_attention_specs_follow_the_table(cfg, tp, kv_heads):
+    """Attention's per-head layout is the table's: q like q_proj's columns, K/V like k_proj and the cache."""
+    from dilaserve_jax.mesh.sharding import attention_partition_specs
+
+    gqa = cfg.replace(n_kv_heads=kv_heads)
+    heads_spec, kv_spec = attention_partition_specs(gqa.n_heads, gqa.n_kv_heads, tp)
+    split = P(None, None, "model", None)
+    assert heads_spec == (split if partition_spec("blocks/0/q_proj/kernel", gqa, tp) == C else REP)
+    assert kv_spec == kv_cache_partition_spec(gqa, tp)
+    assert kv_spec == (split if partition_spec("blocks/0/k_proj/kernel", gqa, tp) == C else REP)
