@@ -54,6 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
                                      "measured at start-up when omitted")
     p.add_argument("--prior", help="eval rows (`python -m dilaserve_jax.tasks.eval --json`) for the threshold "
                                    "controller's tokens-per-step prior; default: eval*.json beside the weights")
+    p.add_argument("--controller", default="auto", choices=("auto", "paused", "manual"),
+                   help="cluster controller: auto reshapes the layout and migrates requests as load changes; "
+                        "paused starts it paused (Reconfigure allowed); manual runs none (default auto)")
+    p.add_argument("--layouts", default="", metavar="SPEC[,SPEC...]",
+                   help="layouts the controller may choose, e.g. '1x8,2x4,4x2,8x1' (default: every partition of "
+                        "the devices into power-of-two TP groups the model allows)")
+    p.add_argument("--controller-interval-s", type=float, default=2.0, help="seconds between decisions (default 2)")
+    p.add_argument("--min-dwell-s", type=float, default=30.0,
+                   help="minimum seconds between two layout switches (default 30)")
+    p.add_argument("--interconnect-gbps", type=float, default=100.0,
+                   help="device-to-device bandwidth the controller assumes for resharding (GB/s, default 100)")
     p.add_argument("--auth-token", default=os.environ.get("DILASERVE_AUTH_TOKEN"),
                    help="require 'authorization: Bearer TOKEN' on every call (or set DILASERVE_AUTH_TOKEN)")
     p.add_argument("--admin-token", default=os.environ.get("DILASERVE_ADMIN_TOKEN"),
@@ -97,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from dilaserve_jax.frontend.server import ServerOptions
         from dilaserve_jax.serving.build import ServeConfig, build_cluster
+        from dilaserve_jax.serving.controller import ControllerConfig
 
         from dilaserve_jax.decoding.compiled import enable_compile_cache
 
@@ -108,7 +120,11 @@ def main(argv: list[str] | None = None) -> int:
                              default_slo_ms=args.default_slo_ms, tau_min=args.tau_min, tau_max=args.tau_max,
                              profile=args.profile, prior=args.prior,
                              default_max_new_tokens=args.default_max_new_tokens,
-                             step_timeout_s=args.step_timeout_s or None)
+                             step_timeout_s=args.step_timeout_s or None, controller=args.controller,
+                             layouts=tuple(x for x in args.layouts.split(",") if x.strip()),
+                             controller_config=ControllerConfig(interval_s=args.controller_interval_s,
+                                                                min_dwell_s=args.min_dwell_s,
+                                                                bandwidth_gbps=args.interconnect_gbps))
         options = ServerOptions(host=args.host, port=args.port,
                                 metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                                 auth_token=args.auth_token, admin_token=args.admin_token,
@@ -151,9 +167,13 @@ async def _serve(cluster, options, say) -> int:
         await stop.wait()
     say(f"draining: letting in-flight calls finish (up to {options.grace_s:.0f} s)")
     finished = await running.drain_and_stop()
-    cluster.stop()
+    cluster.stop(wait_background=False)
     say("stopped" if finished else "stopped with calls still in flight after the grace period")
-    if not warm.done():  # interrupted during compilation: leave without waiting for it
+    if not warm.done() or any(t.is_alive() for t in cluster.background):
+        # compilation still running (start-up, or the controller's background measurement): leave
+        # without waiting for it, and without finalising the interpreter under a running XLA thread
+        sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(0)
     return 0
 

@@ -49,7 +49,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., block_length: _Optional[int] = ..., slo_ms: _Optional[float] = ..., tau_min: _Optional[float] = ..., tau_max: _Optional[float] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "steps", "mean_tau", "queue_ms", "decode_ms", "total_ms", "deadline_met", "deadline_ms", "instance", "moves")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "steps", "mean_tau", "queue_ms", "decode_ms", "total_ms", "deadline_met", "deadline_ms", "instance", "moves", "taus")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class GenerateResponse(_message.Message):
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     MOVES_FIELD_NUMBER: _ClassVar[int]
+    TAUS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -76,7 +77,8 @@ class GenerateResponse(_message.Message):
     deadline_ms: float
     instance: str
     moves: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., steps: _Optional[int] = ..., mean_tau: _Optional[float] = ..., queue_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., deadline_met: _Optional[bool] = ..., deadline_ms: _Optional[float] = ..., instance: _Optional[str] = ..., moves: _Optional[int] = ...) -> None: ...
+    taus: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., steps: _Optional[int] = ..., mean_tau: _Optional[float] = ..., queue_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., deadline_met: _Optional[bool] = ..., deadline_ms: _Optional[float] = ..., instance: _Optional[str] = ..., moves: _Optional[int] = ..., taus: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepUpdate(_message.Message):
     __slots__ = ("step", "canvas", "tokens_committed", "total_committed", "tau", "step_kind")
@@ -129,7 +131,7 @@ class InstanceState(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tp_degree: _Optional[int] = ..., device_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps_done: _Optional[int] = ..., state: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class ClusterState(_message.Message):
-    __slots__ = ("layout", "policy", "model", "instances", "serving", "family", "failures", "migrations", "reloads", "in_flight")
+    __slots__ = ("layout", "policy", "model", "instances", "serving", "family", "failures", "migrations", "reloads", "in_flight", "controller_mode", "decisions", "reconfigurations", "recent_migrations")
     class FailuresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +156,10 @@ class ClusterState(_message.Message):
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     RELOADS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_MODE_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    RECONFIGURATIONS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     layout: str
     policy: str
     model: str
@@ -164,7 +170,11 @@ class ClusterState(_message.Message):
     migrations: _containers.ScalarMap[str, int]
     reloads: int
     in_flight: int
-    def __init__(self, layout: _Optional[str] = ..., policy: _Optional[str] = ..., model: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceState, _Mapping]]] = ..., serving: _Optional[bool] = ..., family: _Optional[str] = ..., failures: _Optional[_Mapping[str, str]] = ..., migrations: _Optional[_Mapping[str, int]] = ..., reloads: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    controller_mode: str
+    decisions: _containers.RepeatedScalarFieldContainer[str]
+    reconfigurations: _containers.RepeatedScalarFieldContainer[str]
+    recent_migrations: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, layout: _Optional[str] = ..., policy: _Optional[str] = ..., model: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceState, _Mapping]]] = ..., serving: _Optional[bool] = ..., family: _Optional[str] = ..., failures: _Optional[_Mapping[str, str]] = ..., migrations: _Optional[_Mapping[str, int]] = ..., reloads: _Optional[int] = ..., in_flight: _Optional[int] = ..., controller_mode: _Optional[str] = ..., decisions: _Optional[_Iterable[str]] = ..., reconfigurations: _Optional[_Iterable[str]] = ..., recent_migrations: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReloadWeightsRequest(_message.Message):
     __slots__ = ("directory", "step")
@@ -187,3 +197,9 @@ class ReconfigureRequest(_message.Message):
     MESH_FIELD_NUMBER: _ClassVar[int]
     mesh: str
     def __init__(self, mesh: _Optional[str] = ...) -> None: ...
+
+class ControllerModeRequest(_message.Message):
+    __slots__ = ("mode",)
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    def __init__(self, mode: _Optional[str] = ...) -> None: ...

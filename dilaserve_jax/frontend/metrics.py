@@ -29,7 +29,14 @@ class _ClusterCollector:
             up.add_metric([inst["name"]], 1.0 if inst["state"] in ("running", "created") else 0.0)
         layout = InfoMetricFamily("dilaserve_layout", "Current device layout and policy")
         layout.add_metric([], {"layout": state["layout"], "policy": state["policy"], "model": state["model"]})
-        yield from (queue, running, up, layout)
+        per_tp = GaugeMetricFamily("dilaserve_layout_instances", "Instances of the current layout by TP degree",
+                                   labels=["tp"])
+        counts: dict[int, int] = {}
+        for inst in state["instances"]:
+            counts[inst["tp_degree"]] = counts.get(inst["tp_degree"], 0) + 1
+        for tp, n in sorted(counts.items()):
+            per_tp.add_metric([str(tp)], n)
+        yield from (queue, running, up, layout, per_tp)
 
 
 class ServingMetrics:
@@ -47,6 +54,9 @@ class ServingMetrics:
                                 "watchdog)", ["instance"], registry=r)
         self.migrations = Counter("dilaserve_migrations", "Requests moved between instances", ["reason"], registry=r)
         self.reloads = Counter("dilaserve_weight_reloads", "Weight reloads swapped in", registry=r)
+        self.reconfigurations = Counter("dilaserve_reconfigurations", "Layout switches", ["from", "to"], registry=r)
+        self.reconfigure_seconds = Histogram("dilaserve_reconfigure_seconds", "Duration of a layout switch",
+                                             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
         if cluster is not None:
             r.register(_ClusterCollector(cluster))
         self._http = None
@@ -66,6 +76,9 @@ class ServingMetrics:
             self.migrations.labels(reason=details["reason"]).inc(details["count"])
         elif event == "reload":
             self.reloads.inc()
+        elif event == "reconfigure":
+            self.reconfigurations.labels(**{"from": details["from"], "to": details["to"]}).inc()
+            self.reconfigure_seconds.observe(details["seconds"])
 
     def finished(self, outcome: str, deadline_met: bool | None = None) -> None:
         self.requests.labels(outcome=outcome).inc()
