@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "deadline-first and adapting each request's confidence threshold. Defaults work on a "
                     "fresh machine: the embedded tiny model, loopback, CPU devices when there is no accelerator.")
     p.add_argument("--mesh", default="2x4", help='instances x TP degree, e.g. "2x4", "8", "8x1", "4+2+1+1" (default 2x4)')
-    p.add_argument("--model", default="tiny", help="preset (tiny, test), LLaDA HF directory, or orbax training directory")
+    p.add_argument("--model", default="tiny", help="preset (tiny, test, test_dream), HF directory (LLaDA or Dream), or orbax training directory")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"gRPC port (default {DEFAULT_PORT}; 0 = any free port)")
     p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,

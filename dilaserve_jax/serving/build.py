@@ -38,7 +38,7 @@ class ServeConfig:
     mesh: str = "2x4"
     policy: str = "dilaserve"
     slots: int = defaults.DEFAULT_SLOTS  # per instance
-    length_buckets: tuple[int, ...] = ()  # default: half the model's max_len and max_len
+    length_buckets: tuple[int, ...] = ()  # default: half and all of min(max_len, DEFAULT_MAX_CANVAS)
     block_buckets: tuple[int, ...] = (32,)  # smaller client blocks run padded in the 32 bucket
     cache_mode: str = "dual"
     attention: str = "auto"
@@ -100,8 +100,13 @@ class ServingModel:
     per_instance: list = field(default_factory=list)
 
 
+DEFAULT_MAX_CANVAS = 4096  # default largest length bucket: Dream's config allows 32k-131k positions,
+#   whose K/V slots would not fit; pass length_buckets to go longer
+
+
 def _length_buckets(cfg: ServeConfig, max_len: int) -> tuple[int, ...]:
-    buckets = cfg.length_buckets or (max_len // 2, max_len)
+    top = min(max_len, DEFAULT_MAX_CANVAS)
+    buckets = cfg.length_buckets or (top // 2, top)
     if max(buckets) > max_len:
         raise ValueError(f"length bucket {max(buckets)} exceeds the model's max_len {max_len}")
     return tuple(sorted(set(buckets)))
@@ -153,7 +158,7 @@ def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print, *, layou
 
     cluster = Cluster(engines, infos, layout=str(layout.spec), policy=cfg.policy, model_source=model.source,
                       tokenizer=model.tokenizer, limits=limits, loader=builder.load, warmup_fn=warm_up,
-                      step_timeout_s=cfg.step_timeout_s, family=getattr(model.config, "family", "llada"))
+                      step_timeout_s=cfg.step_timeout_s, family=model.config.family)
     cluster.builder = builder
     cluster.autoscaler = Autoscaler(cluster, None, mode=cfg.controller)
     return cluster

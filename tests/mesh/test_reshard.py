@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from conftest import host_copy
+from mesh_support import host_copy
 
 from dilaserve_jax.decoding import reference
 from dilaserve_jax.mesh import CompileCache, CompileKey, Layout, place_params, replicate_to_instances, reshard
