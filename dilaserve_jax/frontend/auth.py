@@ -4,7 +4,7 @@ the server's disk or reshape it, and the rule for admin calls on a reachable add
 - Health checking and reflection are always open.
 - Inference calls need `authorization: Bearer <auth token>` when an auth token is set (the admin
   token is accepted too).
-- Admin calls (`ReloadWeights`, `Reconfigure`) need the admin token when one is set. Without one
+- Admin calls (`ReloadWeights`, `Reconfigure`, `SetControllerMode`) need the admin token when one is set. Without one
   they are allowed only on a loopback address (under the auth token, if set); on any other
   address they are refused with PERMISSION_DENIED.
 """
@@ -16,7 +16,8 @@ import ipaddress
 import grpc
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-ADMIN_METHODS = frozenset({"/dilaserve.v1.DiLaServe/ReloadWeights", "/dilaserve.v1.DiLaServe/Reconfigure"})
+ADMIN_METHODS = frozenset({"/dilaserve.v1.DiLaServe/ReloadWeights", "/dilaserve.v1.DiLaServe/Reconfigure",
+                           "/dilaserve.v1.DiLaServe/SetControllerMode"})
 
 
 def is_loopback(host: str) -> bool:

@@ -86,6 +86,11 @@ class DiLaServeClient:
     def reconfigure(self, mesh: str, timeout: float | None = 600.0) -> pb.ClusterState:
         return self.stub.Reconfigure(pb.ReconfigureRequest(mesh=mesh), timeout=timeout, metadata=self._admin_metadata)
 
+    def set_controller_mode(self, mode: str, timeout: float | None = 30.0) -> pb.ClusterState:
+        """Pause ("paused") or resume ("auto") the cluster controller (admin)."""
+        return self.stub.SetControllerMode(pb.ControllerModeRequest(mode=mode), timeout=timeout,
+                                           metadata=self._admin_metadata)
+
     def close(self) -> None:
         self.channel.close()
 

@@ -113,8 +113,7 @@ async def start_server(cluster, options: ServerOptions) -> RunningServer:
         ("grpc.max_send_message_length", options.max_message_bytes),
     ])
     metrics = ServingMetrics(cluster)
-    for engine in cluster.engines:
-        engine.add_step_hook(metrics.step_hook)
+    cluster.add_step_hook(metrics.step_hook)  # on the engines a reconfiguration builds too
     cluster.add_listener(metrics.cluster_event)
     service = DiLaServeService(cluster, metrics, options.weights_roots)
     server.add_generic_rpc_handlers((service_handlers(service),))

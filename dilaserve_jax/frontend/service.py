@@ -87,15 +87,32 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
         await _check_parsed(request, context)
         if not request.mesh:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "mesh: required")
-        reconfigure = getattr(self.cluster, "reconfigure", None)
-        if reconfigure is None:
+        if getattr(self.cluster, "builder", None) is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server cannot reshape its layout at run time")
+        scaler = getattr(self.cluster, "autoscaler", None)
+        if scaler is not None and not scaler.manual_allowed:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "the controller is in auto mode; pause it first (SetControllerMode 'paused')")
         try:
-            await asyncio.to_thread(reconfigure, request.mesh)
+            report = await asyncio.to_thread(self.cluster.reconfigure, request.mesh[:256], "manual")
         except ClusterBusy as err:
             await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(err))
         except ValueError as err:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"mesh: {err}")
+        log.info("reconfigured: %s", report)
+        return self._cluster_state()
+
+    async def SetControllerMode(self, request, context):
+        await _check_parsed(request, context)
+        scaler = getattr(self.cluster, "autoscaler", None)
+        if scaler is None or scaler.mode == "manual":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this server runs without a controller (serve --controller manual)")
+        if request.mode not in ("auto", "paused"):
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"mode: must be 'auto' or 'paused', got "
+                                                                     f"{request.mode[:64]!r}")
+        scaler.set_mode(request.mode)
+        log.info("controller mode: %s", request.mode)
         return self._cluster_state()
 
     # --- draining ---
@@ -117,7 +134,10 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
             layout=state["layout"], policy=state["policy"], model=state["model"], family=state["family"],
             serving=not self.draining and any(i.state in ("running", "created") for i in instances),
             instances=instances, failures={k: bounded(v, 512) for k, v in state["failures"].items()},
-            migrations=state["migrations"], reloads=state["reloads"], in_flight=state["in_flight"])
+            migrations=state["migrations"], reloads=state["reloads"], in_flight=state["in_flight"],
+            controller_mode=state.get("controller_mode", ""), decisions=state.get("decisions", []),
+            reconfigurations=state.get("reconfigurations", []), recent_migrations=state.get("recent_migrations", []),
+            weight_updates=state.get("weight_updates", {}), checkpoint_watch=_watch_state(state))
 
     async def _run(self, request, context, stream: bool):
         await _check_parsed(request, context)
@@ -218,7 +238,8 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
             queue_ms=(start - result.arrival) * 1e3, decode_ms=(result.finish - start) * 1e3,
             total_ms=(result.finish - result.arrival) * 1e3, deadline_met=result.deadline_met,
             deadline_ms=(req.deadline - req.arrival) * 1e3,
-            instance=result.instance, moves=result.moves, predicted_accuracy_loss=result.predicted_loss)
+            instance=result.instance, moves=result.moves, taus=result.taus,
+            predicted_accuracy_loss=result.predicted_loss)
 
     def _count(self, outcome: str, deadline_met: bool | None = None) -> None:
         if self.metrics is not None:
@@ -255,6 +276,13 @@ def render_canvas(tok, answer: list[int]) -> str:
         else:
             out.append(tok.decode([t]) or "\ufffd")
     return "".join(out)
+
+
+def _watch_state(state: dict) -> pb.CheckpointWatch | None:
+    watch = state.get("checkpoint_watch")
+    if watch is None:
+        return None
+    return pb.CheckpointWatch(**{**watch, "last_error": bounded(watch["last_error"], 512)})
 
 
 async def _abort(context, code: grpc.StatusCode, message: str) -> None:

@@ -39,6 +39,22 @@ def fake_profile(step_time: StepTimeFn = default_step_time, batches: Sequence[in
     return Profile("synthetic profile of the fake runner (not measured)", True, "fake", "fake", pts)
 
 
+def tp_step_time(tp: int, serial: float = 0.25, comm_s: float = 2e-4,
+                 base: StepTimeFn = default_step_time) -> StepTimeFn:
+    """A synthetic TP-`tp` step time: the parallel part of `base` divided by tp, a serial share
+    that is not, plus an all-reduce cost when tp > 1 — wide instances finish one request sooner,
+    many narrow ones serve more in all (the trade-off the cluster controller manages)."""
+    def step_time(kind: StepKind, batch: int, canvas: int, block: int) -> float:
+        return base(kind, batch, canvas, block) * (serial + (1 - serial) / tp) + (comm_s if tp > 1 else 0.0)
+    return step_time
+
+
+def fake_tp_profile(tps: Sequence[int] = (1, 2, 4, 8), **kw) -> Profile:
+    """`fake_profile` for several TP degrees (synthetic, labelled so; see `tp_step_time`)."""
+    pts = tuple(p for tp in tps for p in fake_profile(tp_step_time(tp, **kw), tp=tp).points)
+    return Profile("synthetic multi-TP profile of the fake runner (not measured)", True, "fake", "fake", pts)
+
+
 class FakeClock:
     """A manually advanced clock (thread-safe)."""
 

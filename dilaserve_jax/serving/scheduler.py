@@ -105,6 +105,29 @@ class RequestEstimator:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestView:
+    """An immutable copy of what a controller needs of a request elsewhere: to estimate its time on
+    another instance (where its next step is a refresh) and whether it would meet its deadline."""
+
+    id: str
+    deadline: float
+    canvas_length: int
+    block_length: int
+    blocks_left: int
+    masked_in_block: int
+    tau_min: float
+    tau_max: float
+    running: bool
+    moves: int
+    needs_refresh: bool = True
+
+    @classmethod
+    def of(cls, r: Request) -> "RequestView":
+        return cls(r.id, r.deadline, r.canvas_length, r.block_length, r.blocks_left, r.masked_in_block, r.tau_min,
+                   r.tau_max, r.slot is not None, r.moves)
+
+
+@dataclass(frozen=True, slots=True)
 class LoadSnapshot:
     """What a router needs to predict a new request's finish on this instance (immutable)."""
 
@@ -114,6 +137,8 @@ class LoadSnapshot:
     running_left: tuple[float, ...]  # predicted seconds to finish, running requests
     waiting_left: tuple[float, ...]  # predicted seconds of work, queued requests
     estimator: RequestEstimator | None = None
+    deadlines: tuple[float, ...] = ()  # of every request here, running and queued
+    at_risk: tuple[RequestView, ...] = ()  # requests that cannot meet their deadline here even at τ_min
     quality: QualitySnapshot | None = None  # accuracy-loss budget accounting
 
 
@@ -376,8 +401,10 @@ class Scheduler:
         def left(r: Request) -> float:
             d = self.decisions.get(r.id)
             return self.request_time(r, b, d.tau if d else self._tau(r))
+        reqs = [*self.running.values(), *self.waiting]
         return LoadSnapshot(now, self.cfg.num_slots, self.cfg.tp, tuple(left(r) for r in self.running.values()),
-                            tuple(left(r) for r in self.waiting), self.estimator(), self.quality())
+                            tuple(left(r) for r in self.waiting), self.estimator(), tuple(r.deadline for r in reqs),
+                            tuple(RequestView.of(r) for r in reqs if r.at_risk), self.quality())
 
     def estimator(self) -> RequestEstimator:
         taus = tuple(sorted(set(self.controller.cfg.grid)))

@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import req
+from serving_support import req
 from dilaserve_jax.serving.engine import Engine
 from dilaserve_jax.serving.fake_runner import FakeClock, FakeRunner
 from dilaserve_jax.serving.quality import AccuracyModel, QualityBudget, QualityConfig, changed_commits, curve_loss
