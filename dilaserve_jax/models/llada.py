@@ -126,6 +126,13 @@ class LLaDAModel(nnx.Module):
         the current block's; skipping the rest saves the LM head's cost on long canvases).
         Returns (logits [B, Q or O, V] float32, per-layer LayerKV of the queries [B, Q, KVH, D]).
         """
+        x, new_kv = self.hidden(tokens, positions, kv_cache, valid_len)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
+        return self.logits(x), new_kv
+
+    def hidden(self, tokens, positions, kv_cache: Sequence[LayerKV] | None = None, valid_len=None):
+        """The transformer blocks only: -> (last block's output [B, Q, d_model], per-layer query K/V)."""
         cfg = self.cfg
         b = tokens.shape[0]
         if valid_len is None:
@@ -136,10 +143,11 @@ class LLaDAModel(nnx.Module):
         for i, block in enumerate(self.blocks):
             x, kv = block(x, positions, None if kv_cache is None else kv_cache[i], valid_len)
             new_kv.append(kv)
-        if logits_at is not None:
-            x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
-        logits = self.lm_head(self.ln_f(x)).astype(jnp.float32)
-        return logits, new_kv
+        return x, new_kv
+
+    def logits(self, x):
+        """Final norm and LM head of hidden rows [..., d_model] -> float32 logits [..., V]."""
+        return self.lm_head(self.ln_f(x)).astype(jnp.float32)
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> LLaDAModel:
@@ -150,6 +158,16 @@ def forward(graphdef, params, tokens, positions, kv_cache=None, valid_len=None, 
     """Pure forward over split (graphdef, params): what jitted serving code calls."""
     model = nnx.merge(graphdef, params)
     return model(tokens, positions, kv_cache, valid_len, logits_at)
+
+
+def forward_hidden(graphdef, params, tokens, positions, kv_cache=None, valid_len=None):
+    """Pure `LLaDAModel.hidden`: the blocks' output rows and the queries' K/V, without the LM head."""
+    return nnx.merge(graphdef, params).hidden(tokens, positions, kv_cache, valid_len)
+
+
+def forward_logits(graphdef, params, hidden_rows):
+    """Pure `LLaDAModel.logits`: logits of the given hidden rows (any leading shape)."""
+    return nnx.merge(graphdef, params).logits(hidden_rows)
 
 
 def canvas_positions(batch: int, length: int):
