@@ -10,8 +10,9 @@ random logits and every row decodes all 128 positions: every row does the same w
 Each tree runs in its own worker process (bench/scaling_worker.py). Cells are timed in rounds:
 a warm-up round (compiles), then `repeats` rounds; within a round every (cache, batch) cell runs
 in each tree back to back, the trees' order alternating between rounds, so both see the same
-machine load. tokens/s = committed tokens / wall seconds of generate_many; the median round is
-kept. Digests of the answers must agree across rounds and trees (same greedy tokens).
+machine load. tokens/s = committed tokens / wall seconds of generate_many; tokens/cpu-s = the same
+tokens / the worker's CPU seconds (all threads), a measure of work that a busy shared machine
+disturbs less than wall time; the median round of each is kept. Digests of the answers must agree across rounds and trees (same greedy tokens).
 """
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ from dilaserve_jax.models.config import ModelConfig
 WORKER = Path(__file__).with_name("scaling_worker.py")
 OWN_TREE = Path(__file__).resolve().parents[2]
 CACHES = ("none", "prefix", "dual")
+BREAKDOWN_REPEATS = 5
+# Steps one breakdown takes inside the first block (τ 1: one commit each): the refresh after
+# admission, time_step_parts (2 * repeats + 1) and stage_profile (1 + 3).
+BREAKDOWN_STEPS = 1 + 2 * BREAKDOWN_REPEATS + 1 + 4
 
 SCALING_MODEL = ModelConfig(
     name="llada-random-4x256", vocab_size=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=8, head_dim=32,
@@ -53,6 +58,9 @@ class ScalingConfig:
             raise ValueError(f"caches must be a non-empty subset of {CACHES}")
         if min(self.prompt, self.answer, self.block, self.repeats) < 1:
             raise ValueError("prompt, answer, block and repeats must be positive")
+        if self.breakdown_batches and min(self.block, self.answer) < BREAKDOWN_STEPS:
+            raise ValueError(f"a breakdown takes {BREAKDOWN_STEPS} steps inside one block: block and answer must be "
+                             f">= {BREAKDOWN_STEPS}")
         if self.prompt + self.answer > SCALING_MODEL.max_len:
             raise ValueError(f"prompt + answer must fit {SCALING_MODEL.max_len} positions")
 
@@ -138,6 +146,7 @@ def run_scaling(cfg: ScalingConfig, trees: dict[str, str | Path], progress: bool
                     got = runs[(w.label, cache, batch)]
                     row[w.label] = statistics.median(r["tokens"] / r["seconds"] for r in got)
                     row[w.label + "_all"] = [r["tokens"] / r["seconds"] for r in got]
+                    row[w.label + "_cpu"] = statistics.median(r["tokens"] / r["cpu_seconds"] for r in got)
                     digests |= {r["digest"] for r in got}
                 row["same_tokens"] = len(digests) == 1
                 rows.append(row)
@@ -145,7 +154,7 @@ def run_scaling(cfg: ScalingConfig, trees: dict[str, str | Path], progress: bool
             for cache in cfg.breakdown_caches:
                 for batch in cfg.breakdown_batches:
                     for w in workers:
-                        parts = w.ask(op="breakdown", cache=cache, batch=batch, repeats=5, **shape)
+                        parts = w.ask(op="breakdown", cache=cache, batch=batch, repeats=BREAKDOWN_REPEATS, **shape)
                         breakdown.extend({"tree": w.label, "cache": cache, "batch": batch, "kind": kind, **p}
                                          for kind, p in parts.items())
         finally:
@@ -158,21 +167,30 @@ def format_scaling(result: dict) -> str:
     labels = list(result["trees"])
     head = f"{'cache':<7}{'batch':>6}" + "".join(f"{label + ' tok/s':>16}" for label in labels)
     if len(labels) > 1:
-        head += f"{labels[0] + '/' + labels[1]:>18}{'same tokens':>13}"
+        head += f"{'ratio':>8}{'same tokens':>13}"
+    head += "".join(f"{label + ' tok/cpu-s':>18}" for label in labels)
+    if len(labels) > 1:
+        head += f"{'ratio':>8}"
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
         line = f"{r['cache']:<7}{r['batch']:>6}" + "".join(f"{r[label]:>16.0f}" for label in labels)
         if len(labels) > 1:
-            line += f"{r[labels[0]] / r[labels[1]]:>17.2f}x{'yes' if r['same_tokens'] else 'NO':>13}"
+            line += f"{r[labels[0]] / r[labels[1]]:>7.2f}x{'yes' if r['same_tokens'] else 'NO':>13}"
+        line += "".join(f"{r[label + '_cpu']:>18.0f}" for label in labels)
+        if len(labels) > 1:
+            line += f"{r[labels[0] + '_cpu'] / r[labels[1] + '_cpu']:>7.2f}x"
         lines.append(line)
     if result["breakdown"]:
         stages = list(dict.fromkeys(s for b in result["breakdown"] for s in b["busy_ms"]))
-        lines += ["", "per step (ms; stages = CPU-thread busy ms inside the compiled step)",
+        kinds = list(dict.fromkeys(k for b in result["breakdown"] for k in b.get("kind_busy_ms", {})))
+        lines += ["", "per step (ms; stages and op kinds = CPU-thread busy ms inside the compiled step)",
                   f"{'tree':<10}{'cache':<7}{'batch':>6} {'kind':<8}{'step':>8}{'compiled':>9}{'outside':>8}"
-                  f"{'out %':>6}{'copy':>6}" + "".join(f"{s[:11]:>12}" for s in stages) + f"{'GFLOP':>7}{'MB':>7}"]
+                  f"{'out %':>6}{'copy':>6}" + "".join(f"{s[:11]:>12}" for s in stages)
+                  + "".join(f"{k[:11]:>12}" for k in kinds) + f"{'GFLOP':>7}{'MB':>7}"]
         for b in result["breakdown"]:
             lines.append(f"{b['tree']:<10}{b['cache']:<7}{b['batch']:>6} {b['kind']:<8}{b['step_ms']:>8.2f}"
                          f"{b['compiled_ms']:>9.2f}{b['outside_ms']:>8.2f}{100 * b['outside_ms'] / b['step_ms']:>6.1f}"
                          f"{b['result_copy_ms']:>6.2f}" + "".join(f"{b['busy_ms'].get(s, 0.0):>12.2f}" for s in stages)
+                         + "".join(f"{b.get('kind_busy_ms', {}).get(k, 0.0):>12.2f}" for k in kinds)
                          + f"{b['flops'] / 1e9:>7.2f}{b['bytes_accessed'] / 1e6:>7.0f}")
     return "\n".join(lines)

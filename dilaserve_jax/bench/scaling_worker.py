@@ -7,8 +7,9 @@ loads CHECKPOINT with `load_model` and answers JSON commands, one per line on st
 line on stdout. It uses only the decoding API both trees share (SlotDecoder, generate_many).
 
   {"op": "generate", "cache": "dual", "batch": 8, "prompt": 32, "answer": 128, "block": 32, "seed": 0}
-      -> {"seconds", "tokens", "digest"}: one generate_many over `batch` requests (τ 1, greedy) on a
-      decoder with `batch` slots, built on first use; digest hashes every answer in order.
+      -> {"seconds", "cpu_seconds", "tokens", "digest"}: one generate_many over `batch` requests
+      (τ 1, greedy) on a decoder with `batch` slots, built on first use; cpu_seconds is the process's
+      CPU time meanwhile (all threads); digest hashes every answer in order.
   {"op": "breakdown", ...same keys..., "repeats": 5}
       -> bench/step_profile.py's timings of one refresh and one reuse step of that shape, loaded
       from the benchmark's own tree (the stage split needs the named scopes of that tree's steps).
@@ -19,6 +20,7 @@ import hashlib
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 
 
@@ -63,9 +65,11 @@ def main() -> int:
             key = (cmd["cache"], cmd["batch"], cmd["prompt"], cmd["answer"], cmd["block"])
             if key not in decoders:
                 decoders[key] = decoder(cmd, cmd["batch"])
+            cpu0 = time.process_time()
             results, stats = generate_many(decoders[key], requests(cmd))
+            cpu = time.process_time() - cpu0
             digest = hashlib.sha256(json.dumps([r.answer for r in results]).encode()).hexdigest()[:16]
-            reply = {"seconds": stats.wall_seconds, "tokens": stats.committed, "digest": digest,
+            reply = {"seconds": stats.wall_seconds, "cpu_seconds": cpu, "tokens": stats.committed, "digest": digest,
                      "answer_tokens": [len(r.answer) for r in results]}
         elif cmd["op"] == "breakdown":
             profile = _load_step_profile()

@@ -8,7 +8,8 @@ Two measurements of one step shape on a live SlotDecoder:
   result copy, the slot table); `result_copy_ms` times the copy of the step's outputs alone.
 - `stage_profile`: a JAX profiler trace of the same executable; each XLA operation's time on
   every CPU thread is charged to the `jax.named_scope` stage its HLO carries (decoding/steps.py
-  names them), nested operations counted once (exclusive time). The stages' shares are of thread
+  names them) and to its kind (matmul, data movement, elementwise; `op_kind`), nested operations
+  counted once (exclusive time). The shares are of thread
   busy time, which on several threads can exceed the wall time; untagged operations are "other".
   Executor bookkeeping and idle waits between operations are not charged to any stage.
 
@@ -37,6 +38,11 @@ except ImportError:  # a source tree whose steps name no stages (timed side by s
     STAGES = ()
 
 OTHER = "other"
+# What an XLA CPU operation does, from the first word of its name (fusions are named after their
+# root operations): matrix products, or moving data without arithmetic, or anything else.
+OP_KINDS = ("matmul", "data_movement", "elementwise")
+_DATA_MOVEMENT = {"gather", "scatter", "wrapped", "copy", "transpose", "concatenate", "slice", "dynamic",
+                  "bitcast", "pad", "reverse", "broadcast", "iota"}
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name="([^"]*)"')
 
 
@@ -94,6 +100,14 @@ def hlo_stages(hlo_text: str) -> dict[str, str]:
     return stages
 
 
+def op_kind(name: str) -> str:
+    """OP_KINDS entry of an HLO instruction name (e.g. ynn_fusion.3, transpose_copy_fusion.1)."""
+    first = re.split(r"[_.\-]", name, maxsplit=1)[0]
+    if first in ("ynn", "dot", "convolution", "onednn", "custom"):
+        return "matmul"
+    return "data_movement" if first in _DATA_MOVEMENT else "elementwise"
+
+
 def _exclusive_by_name(trace_events: list[dict]) -> dict[str, float]:
     """Sum of exclusive durations (µs) per event name over every thread (children subtracted)."""
     by_thread = defaultdict(list)
@@ -117,7 +131,8 @@ def _exclusive_by_name(trace_events: list[dict]) -> dict[str, float]:
 
 
 def stage_profile(decoder: SlotDecoder, refresh: bool, slots: list[int], repeats: int = 3) -> dict:
-    """Thread-busy ms per stage per step of the compiled executable, from a profiler trace.
+    """Thread-busy ms per step of the compiled executable, from a profiler trace: per stage
+    (`busy_ms`) and per OP_KINDS entry (`kind_busy_ms`); plus XLA's cost analysis of the step.
 
     Also runs 1 + repeats steps on `decoder` outside its host mirror (see the module docstring).
     """
@@ -137,11 +152,14 @@ def stage_profile(decoder: SlotDecoder, refresh: bool, slots: list[int], repeats
             data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
     per_stage: dict[str, float] = defaultdict(float)
+    per_kind: dict[str, float] = defaultdict(float)
     for name, micros in _exclusive_by_name(events).items():
         if name in stages:
             per_stage[stages[name]] += micros
+            per_kind[op_kind(name)] += micros
     busy = {stage: per_stage.get(stage, 0.0) / 1e3 / repeats for stage in (*STAGES, OTHER)}
+    kinds = {kind: per_kind.get(kind, 0.0) / 1e3 / repeats for kind in OP_KINDS}
     cost = exe.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    return {"busy_ms": busy, "flops": float(cost.get("flops", 0.0)),
+    return {"busy_ms": busy, "kind_busy_ms": kinds, "flops": float(cost.get("flops", 0.0)),
             "bytes_accessed": float(cost.get("bytes accessed", 0.0))}
