@@ -203,7 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scaling-batches", type=int, nargs="+", default=[1, 8, 16, 32, 64],
                    help="with --scaling: batch sizes (default 1 8 16 32 64)")
     p.add_argument("--breakdown-batches", type=int, nargs="*", default=[1, 8, 32],
-                   help="with --scaling: batch sizes of the per-step breakdown, dual cache (default 1 8 32)")
+                   help="with --scaling: batch sizes of the per-step breakdown (default 1 8 32; none to skip)")
+    p.add_argument("--breakdown-caches", nargs="+", default=["dual"], choices=CACHES,
+                   help="with --scaling: cache modes of the per-step breakdown (default dual)")
     p.add_argument("--repeats", type=int, default=3, help="with --scaling: timed rounds after warm-up (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
@@ -248,7 +250,8 @@ def scaling_main(args, progress: bool) -> int:
 
     try:
         cfg = ScalingConfig(tuple(args.scaling_batches), tuple(args.caches), block=args.block_length,
-                            repeats=args.repeats, breakdown_batches=tuple(args.breakdown_batches))
+                            repeats=args.repeats, breakdown_batches=tuple(args.breakdown_batches),
+                            breakdown_caches=tuple(args.breakdown_caches))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
