@@ -30,12 +30,12 @@ def test_table_shows_both_trees_and_flags_different_tokens():
     row = {"cache": "dual", "batch": 8, "this": 400.0, "against": 200.0, "this_cpu": 300.0, "against_cpu": 250.0,
            "same_tokens": False}
     step = {"tree": "this", "cache": "dual", "batch": 8, "kind": "reuse", "step_ms": 10.0, "compiled_ms": 9.0,
-            "outside_ms": 1.0, "result_copy_ms": 0.1, "busy_ms": {"layers": 8.0, "other": 1.0}, "flops": 2e9,
+            "outside_ms": 1.0, "step_min_ms": 8.0, "compiled_min_ms": 7.6, "outside_min_ms": 0.4, "result_copy_ms": 0.1, "busy_ms": {"layers": 8.0, "other": 1.0}, "flops": 2e9,
             "bytes_accessed": 2e8}
     table = format_scaling({"trees": {"this": "a", "against": "b"}, "rows": [row], "breakdown": [step]})
     line = table.splitlines()[2]
     assert "2.00x" in line and "NO" in line and "1.20x" in line
-    assert "10.0" in table.splitlines()[-1]  # outside = 10% of the step
+    assert "10.0" in table.splitlines()[-1] and "5.0" in table.splitlines()[-1]  # outside = 10% (5% at the minima)
 
 
 @pytest.mark.slow

@@ -183,13 +183,15 @@ def format_scaling(result: dict) -> str:
     if result["breakdown"]:
         stages = list(dict.fromkeys(s for b in result["breakdown"] for s in b["busy_ms"]))
         kinds = list(dict.fromkeys(k for b in result["breakdown"] for k in b.get("kind_busy_ms", {})))
-        lines += ["", "per step (ms; stages and op kinds = CPU-thread busy ms inside the compiled step)",
+        lines += ["", "per step (ms, medians; out % = outside / step, min % = the same from each one's fastest run; "
+                      "stages and op kinds = CPU-thread busy ms inside the compiled step)",
                   f"{'tree':<10}{'cache':<7}{'batch':>6} {'kind':<8}{'step':>8}{'compiled':>9}{'outside':>8}"
-                  f"{'out %':>6}{'copy':>6}" + "".join(f"{s[:11]:>12}" for s in stages)
+                  f"{'out %':>6}{'min %':>6}{'copy':>6}" + "".join(f"{s[:11]:>12}" for s in stages)
                   + "".join(f"{k[:11]:>12}" for k in kinds) + f"{'GFLOP':>7}{'MB':>7}"]
         for b in result["breakdown"]:
             lines.append(f"{b['tree']:<10}{b['cache']:<7}{b['batch']:>6} {b['kind']:<8}{b['step_ms']:>8.2f}"
                          f"{b['compiled_ms']:>9.2f}{b['outside_ms']:>8.2f}{100 * b['outside_ms'] / b['step_ms']:>6.1f}"
+                         f"{100 * b['outside_min_ms'] / b['step_min_ms']:>6.1f}"
                          f"{b['result_copy_ms']:>6.2f}" + "".join(f"{b['busy_ms'].get(s, 0.0):>12.2f}" for s in stages)
                          + "".join(f"{b.get('kind_busy_ms', {}).get(k, 0.0):>12.2f}" for k in kinds)
                          + f"{b['flops'] / 1e9:>7.2f}{b['bytes_accessed'] / 1e6:>7.0f}")
