@@ -33,8 +33,9 @@ def propose(logits, mask_id: int, temperature, keys):
         sampled = jax.vmap(sample)(keys, logits, safe_temp)
         return jnp.where(sampling[:, None], sampled, greedy)
 
-    # Drawing Gumbel noise for every row and vocabulary entry costs as much as a small layer, so
-    # an all-greedy batch skips it; a sampling row draws the same noise whatever shares its batch.
+    # Gumbel noise for every row and vocabulary entry (threefry bits, two logs) was a measurable
+    # share of a greedy step (docs/decoding.md), so an all-greedy batch skips drawing it; a
+    # sampling row draws the same noise whatever shares its batch.
     tokens = jax.lax.cond(jnp.any(sampling), with_sampling, lambda: greedy)
     picked = jnp.take_along_axis(shifted, tokens[..., None], axis=-1)[..., 0]
     return tokens.astype(jnp.int32), jnp.exp(picked) / denom
