@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from google.protobuf.json_format import MessageToDict
@@ -20,9 +21,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-length", type=int, help="semi-autoregressive block length")
     p.add_argument("--tau-min", type=float, help="quality floor: lowest threshold the server may use")
     p.add_argument("--tau-max", type=float, help="threshold ceiling")
+    p.add_argument("--max-accuracy-drop", type=float, metavar="PTS",
+                   help="own bound on the predicted accuracy loss, points vs tau_max (the server budget otherwise)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--token", help="bearer token, if the server requires one")
+    p.add_argument("--token", default=os.environ.get("DILASERVE_AUTH_TOKEN"),
+                   help="bearer token, if the server requires one (default: $DILASERVE_AUTH_TOKEN)")
     p.add_argument("--tls-ca", help="CA certificate (PEM) for a TLS server")
     p.add_argument("--json", action="store_true", help="print the final response as JSON")
     p.add_argument("--state", action="store_true", help="print the cluster state instead of generating")
@@ -39,12 +43,14 @@ def main(argv: list[str] | None = None) -> int:
         print("error: a prompt is required (or --state)", file=sys.stderr)
         return 2
     kw = dict(max_new_tokens=args.max_new_tokens, block_length=args.block_length, slo_ms=args.slo_ms,
-              tau_min=args.tau_min, tau_max=args.tau_max, temperature=args.temperature, seed=args.seed)
+              tau_min=args.tau_min, tau_max=args.tau_max, temperature=args.temperature, seed=args.seed,
+              max_accuracy_drop=args.max_accuracy_drop)
     timeout = args.deadline_ms / 1000.0 if args.deadline_ms else None
     try:
         with DiLaServeClient(args.target, auth_token=args.token, tls_ca=args.tls_ca) as client:
             if args.state:
-                print(json.dumps(MessageToDict(client.cluster_state()), indent=1))
+                print(json.dumps(MessageToDict(client.cluster_state(), always_print_fields_with_no_presence=True,
+                                               preserving_proto_field_name=True), indent=1))
                 return 0
             if args.stream:
                 final = None
@@ -62,13 +68,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(MessageToDict(final, preserving_proto_field_name=True)))
+        print(json.dumps(MessageToDict(final, preserving_proto_field_name=True,
+                                       always_print_fields_with_no_presence=True)))
     else:
         print(final.text)
-        print(f"[{final.instance}] {len(final.token_ids)} tokens, {final.steps} steps, mean tau {final.mean_tau:.2f}, "
-              f"queue {final.queue_ms:.1f} ms, decode {final.decode_ms:.1f} ms, total {final.total_ms:.1f} ms, "
-              f"deadline {'met' if final.deadline_met else 'missed'} ({final.deadline_ms:.0f} ms)", file=sys.stderr)
+        print(f"[{final.instance}] {len(final.token_ids)} tokens, {describe_finish(final.finish_reason)}, "
+              f"{final.steps} steps, mean tau {final.mean_tau:.2f}, predicted accuracy loss "
+              f"{final.predicted_accuracy_loss:.2f} points, queue {final.queue_ms:.1f} ms, decode "
+              f"{final.decode_ms:.1f} ms, total {final.total_ms:.1f} ms, deadline "
+              f"{'met' if final.deadline_met else 'missed'} ({final.deadline_ms:.0f} ms)"
+              + (f", moved {final.moves}x" if final.moves else ""), file=sys.stderr)
     return 0
+
+
+def describe_finish(reason: int) -> str:
+    from dilaserve_jax.frontend import dilaserve_pb2 as pb
+
+    return {pb.FINISH_REASON_STOP: "finished: stop (the answer ended)",
+            pb.FINISH_REASON_LENGTH: "finished: length (cut by max_new_tokens; raise it for the rest)",
+            pb.FINISH_REASON_ABORTED: "finished: aborted"}.get(reason, "finished: unspecified")
 
 
 if __name__ == "__main__":

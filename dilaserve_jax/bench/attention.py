@@ -1,6 +1,8 @@
 """Attention benchmark: the Pallas flash kernel vs the XLA reference at LLaDA-8B shapes.
 
 `python -m dilaserve_jax.bench.attention [--json] [--attention both|pallas|xla]`
+`python -m dilaserve_jax.bench.attention --sharded [--tp 1 2 4 8] [--kv-heads N] [--check]`: the
+kernel per shard on TP instances against XLA attention on the same inputs (bench/attention_sharded.py).
 
 On GPU/TPU: time per call, achieved FLOP/s and bytes/s, each against the device peak measured by a
 quick probe (a large bf16 matmul and an array copy). On CPU the kernel only runs in interpret mode,
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -45,6 +48,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=10, help="timed calls per row (median reported)")
     p.add_argument("--block-q", type=int, default=None, help="kernel query tile (default per backend)")
     p.add_argument("--block-k", type=int, default=None, help="kernel key tile (default per backend)")
+    p.add_argument("--heads", type=int, default=HEADS, help=f"query heads (default {HEADS}, LLaDA-8B)")
+    p.add_argument("--kv-heads", type=int, default=KV_HEADS, help=f"kv heads (default {KV_HEADS}; fewer = GQA)")
+    p.add_argument("--head-dim", type=int, default=HEAD_DIM, help=f"head dimension (default {HEAD_DIM})")
+    p.add_argument("--sharded", action="store_true",
+                   help="tensor-parallel case: the kernel per shard (shard_map) on TP instances vs XLA attention on "
+                        "the same inputs; per-device shapes, collectives in the compiled program, time of both "
+                        "(default shapes: batch 1 16, canvas 1024 4096; CPU: batch 2, canvas 64)")
+    p.add_argument("--tp", type=int, nargs="+", default=None,
+                   help="--sharded: TP degrees (default 1 2 4 8, up to the device count)")
+    p.add_argument("--cpu-devices", type=int, default=8,
+                   help="CPU devices to present when the backend is CPU (default 8, so --sharded reaches TP 8; 0 = leave as is)")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 unless every Pallas row matches XLA (float32 1e-5, bf16 1e-2) with no collective")
     p.add_argument("--json", action="store_true", help="print the rows as a JSON array instead of a table")
     return p
 
@@ -71,11 +87,11 @@ def measure_peaks(iters: int = 5) -> dict:
     return {"matmul_flops": flops, "copy_bytes_per_s": bandwidth}
 
 
-def _inputs(batch, n_q, n_keys, dtype, seed=0):
+def _inputs(args, batch, n_q, n_keys, dtype, seed=0):
     keys = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(keys[0], (batch, n_q, HEADS, HEAD_DIM), dtype)
-    k = jax.random.normal(keys[1], (batch, n_keys, KV_HEADS, HEAD_DIM), dtype)
-    v = jax.random.normal(keys[2], (batch, n_keys, KV_HEADS, HEAD_DIM), dtype)
+    q = jax.random.normal(keys[0], (batch, n_q, args.heads, args.head_dim), dtype)
+    k = jax.random.normal(keys[1], (batch, n_keys, args.kv_heads, args.head_dim), dtype)
+    v = jax.random.normal(keys[2], (batch, n_keys, args.kv_heads, args.head_dim), dtype)
     # Ragged rows as in serving: the last row's canvas is only partly valid.
     valid = jnp.full((batch,), n_keys, jnp.int32).at[-1].set(max(1, (3 * n_keys) // 4))
     return q, k, v, valid
@@ -97,15 +113,15 @@ def run_rows(args, impls, on_accelerator: bool, peaks: dict | None, kernel_optio
     rows = []
     for index, (batch, n_keys, n_q) in enumerate(shapes, 1):
         print(f"[{index}/{len(shapes)}] batch={batch} canvas={n_keys} queries={n_q}", file=sys.stderr, flush=True)
-        q, k, v, valid = _inputs(batch, n_q, n_keys, dtype)
+        q, k, v, valid = _inputs(args, batch, n_q, n_keys, dtype)
         flops, bytes_moved = _cost(q, k, v, valid)
         try:
             expected = jax.jit(reference_attention)(q, k, v, valid)
         except Exception as err:  # noqa: BLE001 - e.g. the reference's [Q, L] scores do not fit
             expected, ref_error = None, f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"
         for impl in impls:
-            row = {"impl": impl, "batch": batch, "canvas": n_keys, "queries": n_q, "heads": HEADS,
-                   "head_dim": HEAD_DIM, "dtype": args.dtype}
+            row = {"impl": impl, "batch": batch, "canvas": n_keys, "queries": n_q, "heads": args.heads,
+                   "head_dim": args.head_dim, "dtype": args.dtype}
             options = kernel_options if impl == "pallas" else {}
             fn = jax.jit(lambda q, k, v, n, impl=impl, options=options: attention(q, k, v, n, impl=impl, **options))
             try:
@@ -126,10 +142,17 @@ def run_rows(args, impls, on_accelerator: bool, peaks: dict | None, kernel_optio
     return rows
 
 
-def format_table(rows, on_accelerator: bool) -> str:
-    cols = ["impl", "batch", "canvas", "queries", "dtype", "max_abs_err", "nan"]
-    if on_accelerator:
-        cols += ["ms", "tflops", "pct_peak_flops", "gbps", "pct_peak_bw"]
+SHARDED_COLUMNS = ["impl", "tp", "batch", "canvas", "queries", "heads", "kv_heads", "dtype", "q_per_device",
+                   "kv_per_device", "kernel_kv", "collectives", "max_abs_err_vs_xla", "matches_xla", "nan", "ms"]
+
+
+def format_table(rows, on_accelerator: bool, sharded: bool = False) -> str:
+    if sharded:
+        cols = list(SHARDED_COLUMNS)
+    else:
+        cols = ["impl", "batch", "canvas", "queries", "dtype", "max_abs_err", "nan"]
+        if on_accelerator:
+            cols += ["ms", "tflops", "pct_peak_flops", "gbps", "pct_peak_bw"]
     cols += ["note", "error"]
     cols = [c for c in cols if any(c in r for r in rows)]
 
@@ -143,29 +166,54 @@ def format_table(rows, on_accelerator: bool) -> str:
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in table)
 
 
+def _present_cpu_devices(n: int) -> None:
+    """Ask for n CPU devices (only the CPU backend reads this). A no-op when XLA_FLAGS already sets a
+    count, or once JAX has started (e.g. under pytest): the process keeps the devices it has."""
+    if not n or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _present_cpu_devices(args.cpu_devices)
     backend = jax.default_backend()
     on_accelerator = backend != "cpu"
-    impls = ["pallas", "xla"] if args.attention == "both" else [resolve_attention(args.attention)]
+    impls = ["pallas", "xla"] if args.attention == "both" or args.sharded else [resolve_attention(args.attention)]
     kernel_options = {k: v for k, v in (("block_q", args.block_q), ("block_k", args.block_k)) if v}
     device = jax.devices()[0]
-    header = {"backend": backend, "device": getattr(device, "device_kind", str(device)),
+    header = {"backend": backend, "device": getattr(device, "device_kind", str(device)), "devices": len(jax.devices()),
               "jax": jax.__version__, "attention": [describe_attention(i) for i in impls]}
     peaks = None
-    if on_accelerator:
-        print("measuring device peaks (bf16 matmul, copy bandwidth)...", file=sys.stderr, flush=True)
-        peaks = measure_peaks()
-        header.update(peak_tflops=peaks["matmul_flops"] / 1e12, peak_gbps=peaks["copy_bytes_per_s"] / 1e9)
+    if args.sharded:
+        from dilaserve_jax.bench.attention_sharded import CPU_TIMING_NOTE, check_failures, sharded_rows
+
+        if not on_accelerator:
+            header["note"] = CPU_TIMING_NOTE
+        rows = sharded_rows(args, on_accelerator)
     else:
-        header["note"] = CPU_NOTE
-    rows = run_rows(args, impls, on_accelerator, peaks, kernel_options)
+        if on_accelerator:
+            print("measuring device peaks (bf16 matmul, copy bandwidth)...", file=sys.stderr, flush=True)
+            peaks = measure_peaks()
+            header.update(peak_tflops=peaks["matmul_flops"] / 1e12, peak_gbps=peaks["copy_bytes_per_s"] / 1e9)
+        else:
+            header["note"] = CPU_NOTE
+        rows = run_rows(args, impls, on_accelerator, peaks, kernel_options)
     if args.json:
         print(json.dumps({**header, "rows": rows}, indent=1))
     else:
         for key, value in header.items():
             print(f"# {key}: {value:.4g}" if isinstance(value, float) else f"# {key}: {value}")
-        print(format_table(rows, on_accelerator))
+        print(format_table(rows, on_accelerator, sharded=args.sharded))
+    if args.sharded and args.check:
+        failures = check_failures(rows)
+        for failure in failures:
+            print(f"check failed: {failure}", file=sys.stderr)
+        print(f"check: {'FAILED' if failures else 'passed'} ({len(rows)} rows)", file=sys.stderr)
+        return 1 if failures else 0
     return 1 if any("error" in r or r.get("nan") for r in rows) else 0
 
 

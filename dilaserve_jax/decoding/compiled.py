@@ -7,6 +7,7 @@ every executable this cache has built (the no-recompile test reads it).
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -58,6 +59,9 @@ class CompiledSteps:
     executables: dict[tuple, Any] = field(default_factory=dict)
     compile_seconds: float = 0.0
     compile_count: int = 0
+    # instances share one cache and warm up on their own engine threads: one build at a time
+    # (lookups of built executables take no lock)
+    _build_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def _constrain(self, state_like: DecodeState) -> Callable:
         """Keep a sharded state's output layout equal to its input layout (it is fed back each step)."""
@@ -76,8 +80,9 @@ class CompiledSteps:
                 return constrain(admit_slot(st, *args))
 
             row = jax.ShapeDtypeStruct((state.length,), jnp.int32, sharding=small)
-            scalars = [jax.ShapeDtypeStruct((), dt, sharding=small)
-                       for dt in (jnp.int32, jnp.int32, jnp.int32, jnp.int32, jnp.float32, jnp.uint32)]
+            scalars = [jax.ShapeDtypeStruct((), dt, sharding=small)  # slot, prompt, answer, block start,
+                       for dt in (jnp.int32, jnp.int32, jnp.int32, jnp.int32,  # block length, temperature,
+                                  jnp.int32, jnp.float32, jnp.uint32, jnp.int32)]  # seed, steps
             slot, *rest = scalars
             lowered = jax.jit(fn, donate_argnums=0).lower(_abstract(state), slot, row, *rest)
         else:
@@ -99,16 +104,22 @@ class CompiledSteps:
     def get(self, shape: StepShape | str, params, state: DecodeState, placement: tuple):
         key = (shape, placement)
         executable = self.executables.get(key)
-        return executable if executable is not None else self._build(key, params, state)
+        if executable is not None:
+            return executable
+        with self._build_lock:
+            executable = self.executables.get(key)
+            return executable if executable is not None else self._build(key, params, state)
 
     def warm_up(self, shapes: Iterable[StepShape], params, state: DecodeState, placement: tuple,
-                progress: bool = True) -> float:
-        """Compile every shape (plus admission) for this placement; returns the seconds it took."""
+                progress: bool = True, label: str = "") -> float:
+        """Compile every shape (plus admission) for this placement; returns the seconds it took.
+        `label` (e.g. the instance's name) prefixes the progress bar."""
         from tqdm.auto import tqdm
 
         todo = [s for s in [ADMIT, *shapes] if (s, placement) not in self.executables]
         t0 = time.perf_counter()
-        bar = tqdm(todo, desc="compiling decode steps", unit="exe", file=sys.stderr, disable=not progress or not todo)
+        desc = f"{label}: compiling decode steps" if label else "compiling decode steps"
+        bar = tqdm(todo, desc=desc, unit="exe", file=sys.stderr, disable=not progress or not todo)
         for shape in bar:
             bar.set_postfix_str(shape if isinstance(shape, str) else
                                 f"{shape.step.value} b{shape.batch} L{shape.length} blk{shape.block} q{shape.queries}")
@@ -116,7 +127,8 @@ class CompiledSteps:
         bar.close()
         seconds = time.perf_counter() - t0
         if progress and todo:
-            print(f"compiled {len(todo)} decode-step executables in {seconds:.1f} s", file=sys.stderr)
+            print(f"{label + ': ' if label else ''}compiled {len(todo)} decode-step executables in {seconds:.1f} s",
+                  file=sys.stderr)
         return seconds
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from dilaserve_jax.decoding.buckets import (CacheMode, StepShape, StepType, bucket_for, powers_of_two_up_to,
                                             prefix_query_buckets, shapes_for)
 from dilaserve_jax.decoding.compiled import ADMIT, CompiledSteps, leaf_placement, put_small, replicated_on
+from dilaserve_jax.decoding.shift import dual_queries
 from dilaserve_jax.decoding.state import DecodeState, init_state, slots_for_budget
 from dilaserve_jax.models.config import ModelConfig
 
@@ -63,8 +64,9 @@ class DecoderConfig:
     def max_length(self) -> int:
         return self.length_buckets[-1]
 
-    def step_shapes(self) -> list[StepShape]:
-        return shapes_for(self.cache_mode, self.batch_buckets, self.length_buckets, self.block_buckets)
+    def step_shapes(self, shift: int = 0) -> list[StepShape]:
+        """shift: the model's logits shift (decoding/shift.py), which sets dual reuse steps' query rows."""
+        return shapes_for(self.cache_mode, self.batch_buckets, self.length_buckets, self.block_buckets, shift)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +80,7 @@ class SlotStep:
     max_confidence: float
     block_finished: bool
     request_finished: bool
+    confidence_counts: tuple[int, ...] = ()  # the block's masked positions per confidence bin, before commit
 
 
 @dataclass
@@ -115,16 +118,22 @@ class SlotDecoder:
         self._placement = leaf_placement(params) + self._state_placement
         self._progress, self._eager_compile = progress, warm_up
         self._slots: dict[int, _Slot] = {}
-        self.warm_up_seconds = self.compiled.warm_up(config.step_shapes(), params, self.state, self._placement,
+        self.warm_up_seconds = self.compiled.warm_up(self.step_shapes(), params, self.state, self._placement,
                                                      progress) if warm_up else 0.0
 
-    def warm_up(self, progress: bool | None = None) -> float:
+    def warm_up(self, progress: bool | None = None, label: str = "") -> float:
         """Compile (or fetch) every step shape for the current placement now; returns seconds.
-        For callers that construct with warm_up=False to do this later (e.g. after a server is up)."""
+        For callers that construct with warm_up=False to do this later (e.g. after a server is up);
+        `label` names the progress bar (e.g. the instance)."""
         self._eager_compile = True
-        self.warm_up_seconds = self.compiled.warm_up(self.config.step_shapes(), self.params, self.state,
-                                                     self._placement, self._progress if progress is None else progress)
+        self.warm_up_seconds = self.compiled.warm_up(self.step_shapes(), self.params, self.state,
+                                                     self._placement, self._progress if progress is None else progress,
+                                                     label)
         return self.warm_up_seconds
+
+    def step_shapes(self) -> list[StepShape]:
+        """Every step shape this decoder can run (its model's logits shift included)."""
+        return self.config.step_shapes(self.cfg.logits_shift)
 
     @property
     def num_slots(self) -> int:
@@ -136,19 +145,27 @@ class SlotDecoder:
 
     def reload(self, params) -> None:
         """Swap weights between steps (same structure). Weights placed as before reuse every
-        executable; a new placement compiles all step shapes now, not at the next step."""
+        executable; a new placement compiles all step shapes now, not at the next step. Every
+        slot's cached K/V came from the old weights, so each slot's next step must refresh."""
         if jax.tree.structure(params) != jax.tree.structure(self.params):
             raise ValueError("reload: params have a different structure from the current ones")
         self.params = params
+        for info in self._slots.values():
+            info.needs_refresh = True
         placement = leaf_placement(params) + self._state_placement
         if placement != self._placement:
             self._placement = placement
             if self._eager_compile:
-                self.compiled.warm_up(self.config.step_shapes(), params, self.state, placement, self._progress)
+                self.compiled.warm_up(self.step_shapes(), params, self.state, placement, self._progress)
 
     def admit(self, slot: int, prompt_tokens: Sequence[int], answer_length: int, block_length: int, *,
-              temperature: float = 0.0, seed: int = 0) -> None:
-        """Place a fresh canvas in `slot` (which must be free); its next step must be a refresh."""
+              temperature: float = 0.0, seed: int = 0, committed: Sequence[int | None] | None = None,
+              steps_done: int = 0) -> None:
+        """Place a canvas in `slot` (which must be free); its next step must be a refresh.
+
+        A request resuming here (moved from another instance) passes `committed`, its answer tokens
+        by position (None = masked), and `steps_done` (sampling keys continue from there); its
+        current block is the first one with a masked position."""
         self._check_slot(slot)
         if slot in self._slots:
             raise ValueError(f"slot {slot} is occupied; release it first")
@@ -168,13 +185,38 @@ class SlotDecoder:
         row = np.full((self.config.max_length,), self.cfg.pad_id, np.int32)
         row[:len(prompt)] = prompt
         row[len(prompt):total] = self.cfg.mask_id
+        block_start = len(prompt) + self._resume(row[len(prompt):total], committed, block_length)
+        if steps_done < 0:
+            raise ValueError(f"steps_done must be >= 0, got {steps_done}")
         exe = self.compiled.get(ADMIT, self.params, self.state, self._placement)
         args = [put_small(v, dt, self._small) for v, dt in (
             (slot, np.int32), (row, np.int32), (len(prompt), np.int32), (answer_length, np.int32),
-            (block_length, np.int32), (temperature, np.float32), (seed % 2**32, np.uint32))]
+            (block_start, np.int32), (block_length, np.int32), (temperature, np.float32), (seed % 2**32, np.uint32),
+            (steps_done, np.int32))]
         self.state = exe(self.state, *args)
-        self._slots[slot] = _Slot(len(prompt), answer_length, block_length, length, block, len(prompt),
+        self._slots[slot] = _Slot(len(prompt), answer_length, block_length, length, block, block_start,
                                   needs_refresh=True, finished=False, canvas=row[:total].copy())
+
+    def _resume(self, answer: np.ndarray, committed: Sequence[int | None] | None, block_length: int) -> int:
+        """Write a resuming request's committed tokens into its answer area (in place); returns the
+        answer-relative start of its current block (0 for a fresh request)."""
+        if committed is None:
+            return 0
+        if len(committed) != answer.size:
+            raise ValueError(f"committed has {len(committed)} positions, the answer area {answer.size}")
+        tokens = [t for t in committed if t is not None]
+        if any(not 0 <= int(t) < self.cfg.vocab_size or int(t) == self.cfg.mask_id for t in tokens):
+            raise ValueError("committed tokens must be in the vocabulary and must not be the mask token")
+        masked = [i for i, t in enumerate(committed) if t is None]
+        if not masked:
+            raise ValueError("a resuming request needs at least one masked position (it would be finished)")
+        start = masked[0] // block_length * block_length
+        if any(t is not None for t in committed[start + block_length:]):
+            raise ValueError("committed tokens lie beyond the current block")
+        for i, t in enumerate(committed):
+            if t is not None:
+                answer[i] = int(t)
+        return start
 
     def release(self, slot: int) -> None:
         """Forget the slot's request (its device rows are overwritten by the next admission)."""
@@ -235,11 +277,12 @@ class SlotDecoder:
             return StepShape(StepType.FULL, batch, length, block, length)
         if refresh:
             return StepShape(StepType.REFRESH, batch, length, block, length)
+        shift = self.cfg.logits_shift
         if mode is CacheMode.DUAL:
-            return StepShape(StepType.DUAL, batch, length, block, block)
-        suffix = max(self._slots[s].prompt_len + self._slots[s].answer_len - self._slots[s].block_start
-                     for s in slots)
-        return StepShape(StepType.PREFIX, batch, length, block, bucket_for(suffix, prefix_query_buckets(length, block)))
+            return StepShape(StepType.DUAL, batch, length, block, dual_queries(block, length, shift))
+        queries = max(self._slots[s].prompt_len + self._slots[s].answer_len - self._slots[s].block_start
+                      for s in slots) + shift  # block + suffix, and the row before the block when shifted
+        return StepShape(StepType.PREFIX, batch, length, block, bucket_for(queries, prefix_query_buckets(length, block)))
 
     def _run(self, shape: StepShape, slots: list[int], taus: list[float]) -> list[SlotStep]:
         pad = shape.batch - len(slots)
@@ -261,7 +304,8 @@ class SlotDecoder:
             info.needs_refresh = block_done
             info.finished = finished
             results.append(SlotStep(slot, tuple(int(p) - info.prompt_len for p in pos), tuple(int(t) for t in tok),
-                                    n, float(out.max_confidence[row]), block_done, finished))
+                                    n, float(out.max_confidence[row]), block_done, finished,
+                                    tuple(int(c) for c in out.confidence_counts[row])))
         return results
 
     def _check_slot(self, slot: int) -> None:

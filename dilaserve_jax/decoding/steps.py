@@ -9,9 +9,11 @@ What a step writes into the (donated) state, so that its cost follows the work a
 - every step: the commit window of each slot's canvas row, and its block start, τ and step count;
 - a refresh: the K/V of positions [0, length bucket) of each slot (it computed all of them);
 - a reuse step: no K/V at all. It recomputes every position whose cached K/V is stale (the
-  block; in prefix mode also everything after it) and attends to those fresh values, so what it
-  computes is never read later: the slot's next step is another reuse, which recomputes them, or
-  the refresh that starts the next block. The cache thus always holds the last refresh's K/V.
+  block, with shifted logits also the row before it; in prefix mode also everything after it) and
+  attends to those fresh values, so what it computes is never read later: the slot's next step is
+  another reuse, which recomputes the same positions, or a refresh. The cache thus always holds the
+  last refresh's K/V. A slot whose cache is not its own (just admitted or resumed, its block just
+  finished, weights reloaded) must refresh before it reuses (SlotDecoder.step enforces it).
 
 Padding: batch rows beyond the real slots carry slot index S (one past the last slot). Reads clamp
 it to a real slot (its results are computed and discarded) and every write uses mode="drop", so a
@@ -29,8 +31,9 @@ import jax
 import jax.numpy as jnp
 
 from dilaserve_jax.decoding.buckets import StepShape, StepType
-from dilaserve_jax.decoding.commit import compact_commits, request_finished, select_commits
+from dilaserve_jax.decoding.commit import compact_commits, confidence_histogram, request_finished, select_commits
 from dilaserve_jax.decoding.proposal import block_proposals
+from dilaserve_jax.decoding.shift import reuse_query_start
 from dilaserve_jax.decoding.state import DecodeState
 from dilaserve_jax.models.config import ModelConfig
 from dilaserve_jax.models.llada import LayerKV, forward_hidden
@@ -47,6 +50,7 @@ class StepOutput(NamedTuple):
     max_confidence: jax.Array  # [B] float32 highest confidence among the block's masked positions
     block_finished: jax.Array  # [B] bool: the block has no mask left (block_start has advanced)
     request_finished: jax.Array  # [B] bool
+    confidence_counts: jax.Array  # [B, CONFIDENCE_BINS] int32 the block's masked positions per confidence bin
 
 
 def _take_rows(x, slots):
@@ -75,20 +79,23 @@ def decode_step(graphdef, params, state: DecodeState, slots, taus, *, shape: Ste
     window = block_start[:, None] + jnp.arange(block)[None, :]  # [B, block] commit window
     in_block = window < block_end[:, None]
 
+    shift = cfg.logits_shift
     with jax.named_scope("layers"):
         if full_canvas:
             query_start = jnp.zeros_like(block_start)
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), canvas.shape)
             hidden, fresh_kv = forward_hidden(graphdef, params, canvas, positions, None, valid_len)
         else:
-            query_start = block_start
+            # Shifted logits: the queries start at the row before the block, which scores its
+            # first position; that row is recomputed against the cache like the block's own.
+            query_start = reuse_query_start(block_start, shift)
             query_end = block_end if shape.step is StepType.DUAL else valid_len
-            q_pos = block_start[:, None] + jnp.arange(n_q)[None, :]
+            q_pos = query_start[:, None] + jnp.arange(n_q)[None, :]
             positions = jnp.where(q_pos < query_end[:, None], q_pos, length).astype(jnp.int32)
             q_tokens = jnp.take_along_axis(canvas, jnp.minimum(positions, length - 1), axis=1)
             hidden, fresh_kv = forward_hidden(graphdef, params, q_tokens, positions, cache, valid_len)
-    proposals, confidence = block_proposals(graphdef, params, hidden, window, query_start, mask_id=cfg.mask_id,
-                                            temperature=temperature, keys=keys)
+    proposals, confidence = block_proposals(graphdef, params, hidden, window, query_start, shift=shift,
+                                            mask_id=cfg.mask_id, temperature=temperature, keys=keys)
 
     with jax.named_scope("commit"):
         block_tokens = jnp.take_along_axis(canvas, jnp.minimum(window, length - 1), axis=1)
@@ -103,11 +110,13 @@ def decode_step(graphdef, params, state: DecodeState, slots, taus, *, shape: Ste
         max_conf = jnp.max(jnp.where(masked, confidence, -jnp.inf), axis=1)
         out_pos, out_tok, n_committed = compact_commits(commit, window, proposals)
         next_block = jnp.where(block_done, block_start + block_len, block_start)
+        histogram = confidence_histogram(masked, confidence)
 
     with jax.named_scope("state_write"):
-        # Only the window of each canvas row; a slot index S (padding) or a position at/after the
-        # length bucket is out of range and dropped.
-        new_canvas = state.canvas.at[slots[:, None], write_at].set(new_block_tokens, mode="drop")
+        # Only the window of each canvas row. A slot index S (padding) and a position outside the
+        # block (sent past the state's canvas, which may be longer than this bucket) are dropped.
+        state_at = jnp.where(in_block, window, state.canvas.shape[1])
+        new_canvas = state.canvas.at[slots[:, None], state_at].set(new_block_tokens, mode="drop")
         new_kv = state.kv
         if shape.step is StepType.REFRESH:  # positions [0, length) of each row, one window per slot
             new_kv = tuple(LayerKV(old.k.at[slots, :length].set(fresh.k.astype(old.k.dtype), mode="drop"),
@@ -118,17 +127,20 @@ def decode_step(graphdef, params, state: DecodeState, slots, taus, *, shape: Ste
             block_start=state.block_start.at[slots].set(next_block, mode="drop"),
             tau=state.tau.at[slots].set(taus.astype(jnp.float32), mode="drop"),
             steps=state.steps.at[slots].add(1, mode="drop"))
-    return new_state, StepOutput(out_pos, out_tok, n_committed, max_conf, block_done, finished)
+    return new_state, StepOutput(out_pos, out_tok, n_committed, max_conf, block_done, finished, histogram)
 
 
-def admit_slot(state: DecodeState, slot, row, prompt_len, answer_len, block_len, temperature, seed) -> DecodeState:
-    """Place a fresh canvas row [L] (prompt, masks, padding) in `slot`; its next step must refresh."""
+def admit_slot(state: DecodeState, slot, row, prompt_len, answer_len, block_start, block_len, temperature, seed,
+               steps) -> DecodeState:
+    """Place a canvas row [L] (prompt, answer area, padding) in `slot`; its next step must refresh.
+    A fresh request has an all-mask answer area, block_start = prompt_len and steps = 0; one that
+    resumes here (migration, failure) brings its committed tokens, current block and step count."""
     return state.replace(
         canvas=state.canvas.at[slot].set(row),
         prompt_len=state.prompt_len.at[slot].set(prompt_len),
         answer_len=state.answer_len.at[slot].set(answer_len),
-        block_start=state.block_start.at[slot].set(prompt_len),
+        block_start=state.block_start.at[slot].set(block_start),
         block_len=state.block_len.at[slot].set(block_len),
         temperature=state.temperature.at[slot].set(temperature),
         seed=state.seed.at[slot].set(seed),
-        steps=state.steps.at[slot].set(0))
+        steps=state.steps.at[slot].set(steps))

@@ -24,37 +24,55 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&dilaserve_jax/frontend/dilaserve.proto\x12\x0c\x64ilaserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xcf\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.dilaserve.v1.TokenIdsH\x00\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x19\n\x0c\x62lock_length\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x13\n\x06slo_ms\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x14\n\x07tau_min\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x14\n\x07tau_max\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x13\n\x0btemperature\x18\x08 \x01(\x02\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\x12\n\nrequest_id\x18\n \x01(\tB\x08\n\x06promptB\x11\n\x0f_max_new_tokensB\x0f\n\r_block_lengthB\t\n\x07_slo_msB\n\n\x08_tau_minB\n\n\x08_tau_max\"\x8f\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.dilaserve.v1.FinishReason\x12\r\n\x05steps\x18\x05 \x01(\x05\x12\x10\n\x08mean_tau\x18\x06 \x01(\x02\x12\x10\n\x08queue_ms\x18\x07 \x01(\x01\x12\x11\n\tdecode_ms\x18\x08 \x01(\x01\x12\x10\n\x08total_ms\x18\t \x01(\x01\x12\x14\n\x0c\x64\x65\x61\x64line_met\x18\n \x01(\x08\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x0b \x01(\x01\x12\x10\n\x08instance\x18\x0c \x01(\t\"}\n\nStepUpdate\x12\x0c\n\x04step\x18\x01 \x01(\x05\x12\x0e\n\x06\x63\x61nvas\x18\x02 \x01(\t\x12\x18\n\x10tokens_committed\x18\x03 \x01(\x05\x12\x17\n\x0ftotal_committed\x18\x04 \x01(\x05\x12\x0b\n\x03tau\x18\x05 \x01(\x02\x12\x11\n\tstep_kind\x18\x06 \x01(\t\"~\n\x16GenerateStreamResponse\x12*\n\x06update\x18\x01 \x01(\x0b\x32\x18.dilaserve.v1.StepUpdateH\x00\x12/\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1e.dilaserve.v1.GenerateResponseH\x00\x42\x07\n\x05\x65vent\"\x15\n\x13\x43lusterStateRequest\"\x89\x01\n\rInstanceState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\ttp_degree\x18\x02 \x01(\x05\x12\x12\n\ndevice_ids\x18\x03 \x03(\x05\x12\r\n\x05slots\x18\x04 \x01(\x05\x12\x0f\n\x07running\x18\x05 \x01(\x05\x12\x0f\n\x07waiting\x18\x06 \x01(\x05\x12\x12\n\nsteps_done\x18\x07 \x01(\x03\"~\n\x0c\x43lusterState\x12\x0e\n\x06layout\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12.\n\tinstances\x18\x04 \x03(\x0b\x32\x1b.dilaserve.v1.InstanceState\x12\x0f\n\x07serving\x18\x05 \x01(\x08\"E\n\x14ReloadWeightsRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x11\n\x04step\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_step\"7\n\x15ReloadWeightsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\"\n\x12ReconfigureRequest\x12\x0c\n\x04mesh\x18\x01 \x01(\t*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x32\xa8\x03\n\tDiLaServe\x12I\n\x08Generate\x12\x1d.dilaserve.v1.GenerateRequest\x1a\x1e.dilaserve.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.dilaserve.v1.GenerateRequest\x1a$.dilaserve.v1.GenerateStreamResponse0\x01\x12P\n\x0fGetClusterState\x12!.dilaserve.v1.ClusterStateRequest\x1a\x1a.dilaserve.v1.ClusterState\x12X\n\rReloadWeights\x12\".dilaserve.v1.ReloadWeightsRequest\x1a#.dilaserve.v1.ReloadWeightsResponse\x12K\n\x0bReconfigure\x12 .dilaserve.v1.ReconfigureRequest\x1a\x1a.dilaserve.v1.ClusterStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&dilaserve_jax/frontend/dilaserve.proto\x12\x0c\x64ilaserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x85\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.dilaserve.v1.TokenIdsH\x00\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x19\n\x0c\x62lock_length\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x13\n\x06slo_ms\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x14\n\x07tau_min\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x14\n\x07tau_max\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x13\n\x0btemperature\x18\x08 \x01(\x02\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x1e\n\x11max_accuracy_drop\x18\x0b \x01(\x01H\x06\x88\x01\x01\x42\x08\n\x06promptB\x11\n\x0f_max_new_tokensB\x0f\n\r_block_lengthB\t\n\x07_slo_msB\n\n\x08_tau_minB\n\n\x08_tau_maxB\x14\n\x12_max_accuracy_drop\"\xcd\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.dilaserve.v1.FinishReason\x12\r\n\x05steps\x18\x05 \x01(\x05\x12\x10\n\x08mean_tau\x18\x06 \x01(\x02\x12\x10\n\x08queue_ms\x18\x07 \x01(\x01\x12\x11\n\tdecode_ms\x18\x08 \x01(\x01\x12\x10\n\x08total_ms\x18\t \x01(\x01\x12\x14\n\x0c\x64\x65\x61\x64line_met\x18\n \x01(\x08\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x0b \x01(\x01\x12\x10\n\x08instance\x18\x0c \x01(\t\x12\r\n\x05moves\x18\r \x01(\x05\x12\x0c\n\x04taus\x18\x0e \x03(\x02\x12\x1f\n\x17predicted_accuracy_loss\x18\x0f \x01(\x01\"}\n\nStepUpdate\x12\x0c\n\x04step\x18\x01 \x01(\x05\x12\x0e\n\x06\x63\x61nvas\x18\x02 \x01(\t\x12\x18\n\x10tokens_committed\x18\x03 \x01(\x05\x12\x17\n\x0ftotal_committed\x18\x04 \x01(\x05\x12\x0b\n\x03tau\x18\x05 \x01(\x02\x12\x11\n\tstep_kind\x18\x06 \x01(\t\"~\n\x16GenerateStreamResponse\x12*\n\x06update\x18\x01 \x01(\x0b\x32\x18.dilaserve.v1.StepUpdateH\x00\x12/\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1e.dilaserve.v1.GenerateResponseH\x00\x42\x07\n\x05\x65vent\"\x15\n\x13\x43lusterStateRequest\"\xd4\x01\n\rInstanceState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\ttp_degree\x18\x02 \x01(\x05\x12\x12\n\ndevice_ids\x18\x03 \x03(\x05\x12\r\n\x05slots\x18\x04 \x01(\x05\x12\x0f\n\x07running\x18\x05 \x01(\x05\x12\x0f\n\x07waiting\x18\x06 \x01(\x05\x12\x12\n\nsteps_done\x18\x07 \x01(\x03\x12\r\n\x05state\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\x12+\n\x07quality\x18\n \x01(\x0b\x32\x1a.dilaserve.v1.QualityState\"\xbf\x01\n\x0cQualityState\x12\x13\n\x06\x62udget\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x0e\n\x06served\x18\x03 \x01(\x03\x12\x1b\n\x13predicted_loss_mean\x18\x04 \x01(\x01\x12\x1c\n\x14predicted_loss_spent\x18\x05 \x01(\x01\x12\x16\n\tallowance\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x10\n\x08mean_tau\x18\x07 \x01(\x01\x42\t\n\x07_budgetB\x0c\n\n_allowance\"\xa9\x05\n\x0c\x43lusterState\x12\x0e\n\x06layout\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12.\n\tinstances\x18\x04 \x03(\x0b\x32\x1b.dilaserve.v1.InstanceState\x12\x0f\n\x07serving\x18\x05 \x01(\x08\x12\x0e\n\x06\x66\x61mily\x18\x06 \x01(\t\x12:\n\x08\x66\x61ilures\x18\x07 \x03(\x0b\x32(.dilaserve.v1.ClusterState.FailuresEntry\x12>\n\nmigrations\x18\x08 \x03(\x0b\x32*.dilaserve.v1.ClusterState.MigrationsEntry\x12\x0f\n\x07reloads\x18\t \x01(\x03\x12\x11\n\tin_flight\x18\n \x01(\x03\x12\x17\n\x0f\x63ontroller_mode\x18\x0b \x01(\t\x12\x11\n\tdecisions\x18\x0c \x03(\t\x12\x18\n\x10reconfigurations\x18\r \x03(\t\x12\x19\n\x11recent_migrations\x18\x0e \x03(\t\x12\x45\n\x0eweight_updates\x18\x14 \x03(\x0b\x32-.dilaserve.v1.ClusterState.WeightUpdatesEntry\x12\x37\n\x10\x63heckpoint_watch\x18\x15 \x01(\x0b\x32\x1d.dilaserve.v1.CheckpointWatch\x1a/\n\rFailuresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x31\n\x0fMigrationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x34\n\x12WeightUpdatesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x99\x01\n\x0f\x43heckpointWatch\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x11\n\tlast_step\x18\x02 \x01(\x03\x12\x0f\n\x07reloads\x18\x03 \x01(\x03\x12\x0f\n\x07skipped\x18\x04 \x01(\x03\x12\x12\n\nlast_error\x18\x05 \x01(\t\x12\x1b\n\x13last_reload_seconds\x18\x06 \x01(\x01\x12\r\n\x05polls\x18\x07 \x01(\x03\"E\n\x14ReloadWeightsRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x11\n\x04step\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_step\"7\n\x15ReloadWeightsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\"\n\x12ReconfigureRequest\x12\x0c\n\x04mesh\x18\x01 \x01(\t\"%\n\x15\x43ontrollerModeRequest\x12\x0c\n\x04mode\x18\x01 \x01(\t*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x32\xfe\x03\n\tDiLaServe\x12I\n\x08Generate\x12\x1d.dilaserve.v1.GenerateRequest\x1a\x1e.dilaserve.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.dilaserve.v1.GenerateRequest\x1a$.dilaserve.v1.GenerateStreamResponse0\x01\x12P\n\x0fGetClusterState\x12!.dilaserve.v1.ClusterStateRequest\x1a\x1a.dilaserve.v1.ClusterState\x12X\n\rReloadWeights\x12\".dilaserve.v1.ReloadWeightsRequest\x1a#.dilaserve.v1.ReloadWeightsResponse\x12K\n\x0bReconfigure\x12 .dilaserve.v1.ReconfigureRequest\x1a\x1a.dilaserve.v1.ClusterState\x12T\n\x11SetControllerMode\x12#.dilaserve.v1.ControllerModeRequest\x1a\x1a.dilaserve.v1.ClusterStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dilaserve_jax.frontend.dilaserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1403
-  _globals['_FINISHREASON']._serialized_end=1525
+  _globals['_CLUSTERSTATE_FAILURESENTRY']._loaded_options = None
+  _globals['_CLUSTERSTATE_FAILURESENTRY']._serialized_options = b'8\001'
+  _globals['_CLUSTERSTATE_MIGRATIONSENTRY']._loaded_options = None
+  _globals['_CLUSTERSTATE_MIGRATIONSENTRY']._serialized_options = b'8\001'
+  _globals['_CLUSTERSTATE_WEIGHTUPDATESENTRY']._loaded_options = None
+  _globals['_CLUSTERSTATE_WEIGHTUPDATESENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2539
+  _globals['_FINISHREASON']._serialized_end=2661
   _globals['_TOKENIDS']._serialized_start=56
   _globals['_TOKENIDS']._serialized_end=79
   _globals['_GENERATEREQUEST']._serialized_start=82
-  _globals['_GENERATEREQUEST']._serialized_end=417
-  _globals['_GENERATERESPONSE']._serialized_start=420
-  _globals['_GENERATERESPONSE']._serialized_end=691
-  _globals['_STEPUPDATE']._serialized_start=693
-  _globals['_STEPUPDATE']._serialized_end=818
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=820
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=946
-  _globals['_CLUSTERSTATEREQUEST']._serialized_start=948
-  _globals['_CLUSTERSTATEREQUEST']._serialized_end=969
-  _globals['_INSTANCESTATE']._serialized_start=972
-  _globals['_INSTANCESTATE']._serialized_end=1109
-  _globals['_CLUSTERSTATE']._serialized_start=1111
-  _globals['_CLUSTERSTATE']._serialized_end=1237
-  _globals['_RELOADWEIGHTSREQUEST']._serialized_start=1239
-  _globals['_RELOADWEIGHTSREQUEST']._serialized_end=1308
-  _globals['_RELOADWEIGHTSRESPONSE']._serialized_start=1310
-  _globals['_RELOADWEIGHTSRESPONSE']._serialized_end=1365
-  _globals['_RECONFIGUREREQUEST']._serialized_start=1367
-  _globals['_RECONFIGUREREQUEST']._serialized_end=1401
-  _globals['_DILASERVE']._serialized_start=1528
-  _globals['_DILASERVE']._serialized_end=1952
+  _globals['_GENERATEREQUEST']._serialized_end=471
+  _globals['_GENERATERESPONSE']._serialized_start=474
+  _globals['_GENERATERESPONSE']._serialized_end=807
+  _globals['_STEPUPDATE']._serialized_start=809
+  _globals['_STEPUPDATE']._serialized_end=934
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=936
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1062
+  _globals['_CLUSTERSTATEREQUEST']._serialized_start=1064
+  _globals['_CLUSTERSTATEREQUEST']._serialized_end=1085
+  _globals['_INSTANCESTATE']._serialized_start=1088
+  _globals['_INSTANCESTATE']._serialized_end=1300
+  _globals['_QUALITYSTATE']._serialized_start=1303
+  _globals['_QUALITYSTATE']._serialized_end=1494
+  _globals['_CLUSTERSTATE']._serialized_start=1497
+  _globals['_CLUSTERSTATE']._serialized_end=2178
+  _globals['_CLUSTERSTATE_FAILURESENTRY']._serialized_start=2026
+  _globals['_CLUSTERSTATE_FAILURESENTRY']._serialized_end=2073
+  _globals['_CLUSTERSTATE_MIGRATIONSENTRY']._serialized_start=2075
+  _globals['_CLUSTERSTATE_MIGRATIONSENTRY']._serialized_end=2124
+  _globals['_CLUSTERSTATE_WEIGHTUPDATESENTRY']._serialized_start=2126
+  _globals['_CLUSTERSTATE_WEIGHTUPDATESENTRY']._serialized_end=2178
+  _globals['_CHECKPOINTWATCH']._serialized_start=2181
+  _globals['_CHECKPOINTWATCH']._serialized_end=2334
+  _globals['_RELOADWEIGHTSREQUEST']._serialized_start=2336
+  _globals['_RELOADWEIGHTSREQUEST']._serialized_end=2405
+  _globals['_RELOADWEIGHTSRESPONSE']._serialized_start=2407
+  _globals['_RELOADWEIGHTSRESPONSE']._serialized_end=2462
+  _globals['_RECONFIGUREREQUEST']._serialized_start=2464
+  _globals['_RECONFIGUREREQUEST']._serialized_end=2498
+  _globals['_CONTROLLERMODEREQUEST']._serialized_start=2500
+  _globals['_CONTROLLERMODEREQUEST']._serialized_end=2537
+  _globals['_DILASERVE']._serialized_start=2664
+  _globals['_DILASERVE']._serialized_end=3174
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "max_new_tokens", "block_length", "slo_ms", "tau_min", "tau_max", "temperature", "seed", "request_id")
+    __slots__ = ("text", "token_ids", "max_new_tokens", "block_length", "slo_ms", "tau_min", "tau_max", "temperature", "seed", "request_id", "max_accuracy_drop")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class GenerateRequest(_message.Message):
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_ACCURACY_DROP_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     max_new_tokens: int
@@ -46,10 +47,11 @@ class GenerateRequest(_message.Message):
     temperature: float
     seed: int
     request_id: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., block_length: _Optional[int] = ..., slo_ms: _Optional[float] = ..., tau_min: _Optional[float] = ..., tau_max: _Optional[float] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    max_accuracy_drop: float
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., block_length: _Optional[int] = ..., slo_ms: _Optional[float] = ..., tau_min: _Optional[float] = ..., tau_max: _Optional[float] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., request_id: _Optional[str] = ..., max_accuracy_drop: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "steps", "mean_tau", "queue_ms", "decode_ms", "total_ms", "deadline_met", "deadline_ms", "instance")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "steps", "mean_tau", "queue_ms", "decode_ms", "total_ms", "deadline_met", "deadline_ms", "instance", "moves", "taus", "predicted_accuracy_loss")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +64,9 @@ class GenerateResponse(_message.Message):
     DEADLINE_MET_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    MOVES_FIELD_NUMBER: _ClassVar[int]
+    TAUS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_ACCURACY_LOSS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -74,7 +79,10 @@ class GenerateResponse(_message.Message):
     deadline_met: bool
     deadline_ms: float
     instance: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., steps: _Optional[int] = ..., mean_tau: _Optional[float] = ..., queue_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., deadline_met: _Optional[bool] = ..., deadline_ms: _Optional[float] = ..., instance: _Optional[str] = ...) -> None: ...
+    moves: int
+    taus: _containers.RepeatedScalarFieldContainer[float]
+    predicted_accuracy_loss: float
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., steps: _Optional[int] = ..., mean_tau: _Optional[float] = ..., queue_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., deadline_met: _Optional[bool] = ..., deadline_ms: _Optional[float] = ..., instance: _Optional[str] = ..., moves: _Optional[int] = ..., taus: _Optional[_Iterable[float]] = ..., predicted_accuracy_loss: _Optional[float] = ...) -> None: ...
 
 class StepUpdate(_message.Message):
     __slots__ = ("step", "canvas", "tokens_committed", "total_committed", "tau", "step_kind")
@@ -105,7 +113,7 @@ class ClusterStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InstanceState(_message.Message):
-    __slots__ = ("name", "tp_degree", "device_ids", "slots", "running", "waiting", "steps_done")
+    __slots__ = ("name", "tp_degree", "device_ids", "slots", "running", "waiting", "steps_done", "state", "error", "quality")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TP_DEGREE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +121,9 @@ class InstanceState(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_FIELD_NUMBER: _ClassVar[int]
     name: str
     tp_degree: int
     device_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -120,21 +131,103 @@ class InstanceState(_message.Message):
     running: int
     waiting: int
     steps_done: int
-    def __init__(self, name: _Optional[str] = ..., tp_degree: _Optional[int] = ..., device_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps_done: _Optional[int] = ...) -> None: ...
+    state: str
+    error: str
+    quality: QualityState
+    def __init__(self, name: _Optional[str] = ..., tp_degree: _Optional[int] = ..., device_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps_done: _Optional[int] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., quality: _Optional[_Union[QualityState, _Mapping]] = ...) -> None: ...
+
+class QualityState(_message.Message):
+    __slots__ = ("budget", "mode", "served", "predicted_loss_mean", "predicted_loss_spent", "allowance", "mean_tau")
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_LOSS_MEAN_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_LOSS_SPENT_FIELD_NUMBER: _ClassVar[int]
+    ALLOWANCE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_TAU_FIELD_NUMBER: _ClassVar[int]
+    budget: float
+    mode: str
+    served: int
+    predicted_loss_mean: float
+    predicted_loss_spent: float
+    allowance: float
+    mean_tau: float
+    def __init__(self, budget: _Optional[float] = ..., mode: _Optional[str] = ..., served: _Optional[int] = ..., predicted_loss_mean: _Optional[float] = ..., predicted_loss_spent: _Optional[float] = ..., allowance: _Optional[float] = ..., mean_tau: _Optional[float] = ...) -> None: ...
 
 class ClusterState(_message.Message):
-    __slots__ = ("layout", "policy", "model", "instances", "serving")
+    __slots__ = ("layout", "policy", "model", "instances", "serving", "family", "failures", "migrations", "reloads", "in_flight", "controller_mode", "decisions", "reconfigurations", "recent_migrations", "weight_updates", "checkpoint_watch")
+    class FailuresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class MigrationsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class WeightUpdatesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    RELOADS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_MODE_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    RECONFIGURATIONS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_WATCH_FIELD_NUMBER: _ClassVar[int]
     layout: str
     policy: str
     model: str
     instances: _containers.RepeatedCompositeFieldContainer[InstanceState]
     serving: bool
-    def __init__(self, layout: _Optional[str] = ..., policy: _Optional[str] = ..., model: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceState, _Mapping]]] = ..., serving: _Optional[bool] = ...) -> None: ...
+    family: str
+    failures: _containers.ScalarMap[str, str]
+    migrations: _containers.ScalarMap[str, int]
+    reloads: int
+    in_flight: int
+    controller_mode: str
+    decisions: _containers.RepeatedScalarFieldContainer[str]
+    reconfigurations: _containers.RepeatedScalarFieldContainer[str]
+    recent_migrations: _containers.RepeatedScalarFieldContainer[str]
+    weight_updates: _containers.ScalarMap[str, int]
+    checkpoint_watch: CheckpointWatch
+    def __init__(self, layout: _Optional[str] = ..., policy: _Optional[str] = ..., model: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceState, _Mapping]]] = ..., serving: _Optional[bool] = ..., family: _Optional[str] = ..., failures: _Optional[_Mapping[str, str]] = ..., migrations: _Optional[_Mapping[str, int]] = ..., reloads: _Optional[int] = ..., in_flight: _Optional[int] = ..., controller_mode: _Optional[str] = ..., decisions: _Optional[_Iterable[str]] = ..., reconfigurations: _Optional[_Iterable[str]] = ..., recent_migrations: _Optional[_Iterable[str]] = ..., weight_updates: _Optional[_Mapping[str, int]] = ..., checkpoint_watch: _Optional[_Union[CheckpointWatch, _Mapping]] = ...) -> None: ...
+
+class CheckpointWatch(_message.Message):
+    __slots__ = ("directory", "last_step", "reloads", "skipped", "last_error", "last_reload_seconds", "polls")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    RELOADS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LAST_RELOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POLLS_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    last_step: int
+    reloads: int
+    skipped: int
+    last_error: str
+    last_reload_seconds: float
+    polls: int
+    def __init__(self, directory: _Optional[str] = ..., last_step: _Optional[int] = ..., reloads: _Optional[int] = ..., skipped: _Optional[int] = ..., last_error: _Optional[str] = ..., last_reload_seconds: _Optional[float] = ..., polls: _Optional[int] = ...) -> None: ...
 
 class ReloadWeightsRequest(_message.Message):
     __slots__ = ("directory", "step")
@@ -157,3 +250,9 @@ class ReconfigureRequest(_message.Message):
     MESH_FIELD_NUMBER: _ClassVar[int]
     mesh: str
     def __init__(self, mesh: _Optional[str] = ...) -> None: ...
+
+class ControllerModeRequest(_message.Message):
+    __slots__ = ("mode",)
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    def __init__(self, mode: _Optional[str] = ...) -> None: ...

@@ -59,6 +59,11 @@ class DiLaServeStub:
                 request_serializer=dilaserve__jax_dot_frontend_dot_dilaserve__pb2.ReconfigureRequest.SerializeToString,
                 response_deserializer=dilaserve__jax_dot_frontend_dot_dilaserve__pb2.ClusterState.FromString,
                 _registered_method=True)
+        self.SetControllerMode = channel.unary_unary(
+                '/dilaserve.v1.DiLaServe/SetControllerMode',
+                request_serializer=dilaserve__jax_dot_frontend_dot_dilaserve__pb2.ControllerModeRequest.SerializeToString,
+                response_deserializer=dilaserve__jax_dot_frontend_dot_dilaserve__pb2.ClusterState.FromString,
+                _registered_method=True)
 
 
 class DiLaServeServicer:
@@ -88,13 +93,22 @@ class DiLaServeServicer:
 
     def ReloadWeights(self, request, context):
         """Load new weights (a given or the latest orbax step of a training directory) between steps.
+        Admin: needs the admin token; the directory must lie under one of the server's weights roots.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Reconfigure(self, request, context):
-        """Reshape the devices into a new layout (e.g. "8x1" or "4+2+1+1").
+        """Reshape the devices into a new layout (e.g. "8x1" or "4+2+1+1") while serving. Admin, as
+        ReloadWeights; FAILED_PRECONDITION while the controller is in auto mode (pause it first).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetControllerMode(self, request, context):
+        """Pause ("paused") or resume ("auto") the cluster controller. Admin.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -126,6 +140,11 @@ def add_DiLaServeServicer_to_server(servicer, server):
             'Reconfigure': grpc.unary_unary_rpc_method_handler(
                     servicer.Reconfigure,
                     request_deserializer=dilaserve__jax_dot_frontend_dot_dilaserve__pb2.ReconfigureRequest.FromString,
+                    response_serializer=dilaserve__jax_dot_frontend_dot_dilaserve__pb2.ClusterState.SerializeToString,
+            ),
+            'SetControllerMode': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetControllerMode,
+                    request_deserializer=dilaserve__jax_dot_frontend_dot_dilaserve__pb2.ControllerModeRequest.FromString,
                     response_serializer=dilaserve__jax_dot_frontend_dot_dilaserve__pb2.ClusterState.SerializeToString,
             ),
     }
@@ -263,6 +282,33 @@ class DiLaServe:
             target,
             '/dilaserve.v1.DiLaServe/Reconfigure',
             dilaserve__jax_dot_frontend_dot_dilaserve__pb2.ReconfigureRequest.SerializeToString,
+            dilaserve__jax_dot_frontend_dot_dilaserve__pb2.ClusterState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetControllerMode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dilaserve.v1.DiLaServe/SetControllerMode',
+            dilaserve__jax_dot_frontend_dot_dilaserve__pb2.ControllerModeRequest.SerializeToString,
             dilaserve__jax_dot_frontend_dot_dilaserve__pb2.ClusterState.FromString,
             options,
             channel_credentials,

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 TAU_BUCKETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0)
 TOKEN_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
@@ -21,12 +21,53 @@ class _ClusterCollector:
         state = self.cluster.state()
         queue = GaugeMetricFamily("dilaserve_queue_length", "Requests waiting for a slot", labels=["instance"])
         running = GaugeMetricFamily("dilaserve_running_requests", "Requests holding a slot", labels=["instance"])
+        up = GaugeMetricFamily("dilaserve_instance_up", "1 while the instance serves, 0 once failed or stopped",
+                               labels=["instance"])
         for inst in state["instances"]:
             queue.add_metric([inst["name"]], inst["waiting"])
             running.add_metric([inst["name"]], inst["running"])
+            up.add_metric([inst["name"]], 1.0 if inst["state"] in ("running", "created") else 0.0)
+        budget = GaugeMetricFamily("dilaserve_accuracy_budget_points", "Max mean predicted accuracy drop (points "
+                                   "vs tau_max); absent when unbounded", labels=["instance"])
+        loss_mean = GaugeMetricFamily("dilaserve_predicted_loss_points_mean", "Mean predicted accuracy loss over "
+                                      "the requests served", labels=["instance"])
+        loss_spent = GaugeMetricFamily("dilaserve_predicted_loss_points_spent", "Total predicted accuracy loss, "
+                                       "served and running requests", labels=["instance"])
+        mean_tau = GaugeMetricFamily("dilaserve_mean_tau", "Mean threshold over every step run", labels=["instance"])
+        for inst in state["instances"]:
+            q = inst.get("quality")
+            if q is None:
+                continue
+            if q["budget"] is not None:
+                budget.add_metric([inst["name"]], q["budget"])
+            loss_mean.add_metric([inst["name"]], q["predicted_loss_mean"])
+            loss_spent.add_metric([inst["name"]], q["predicted_loss_spent"])
+            if q["mean_tau"] is not None:
+                mean_tau.add_metric([inst["name"]], q["mean_tau"])
+        yield from (budget, loss_mean, loss_spent, mean_tau)
         layout = InfoMetricFamily("dilaserve_layout", "Current device layout and policy")
         layout.add_metric([], {"layout": state["layout"], "policy": state["policy"], "model": state["model"]})
-        yield from (queue, running, layout)
+        per_tp = GaugeMetricFamily("dilaserve_layout_instances", "Instances of the current layout by TP degree",
+                                   labels=["tp"])
+        counts: dict[int, int] = {}
+        for inst in state["instances"]:
+            counts[inst["tp_degree"]] = counts.get(inst["tp_degree"], 0) + 1
+        for tp, n in sorted(counts.items()):
+            per_tp.add_metric([str(tp)], n)
+        yield from (queue, running, up, layout, per_tp)
+        updates = CounterMetricFamily("dilaserve_weight_updates", "Weight swaps by origin (reload call, in-memory "
+                                      "push, checkpoint watcher)", labels=["origin"])
+        for origin, count in state.get("weight_updates", {}).items():
+            updates.add_metric([origin], count)
+        yield updates
+        watch = state.get("checkpoint_watch")
+        if watch is not None:
+            yield GaugeMetricFamily("dilaserve_checkpoint_watch_step", "Newest training step the checkpoint "
+                                    "watcher swapped in (-1 before any)", value=watch["last_step"])
+            yield CounterMetricFamily("dilaserve_checkpoint_watch_reloads", "Training steps the checkpoint "
+                                      "watcher swapped in", value=watch["reloads"])
+            yield CounterMetricFamily("dilaserve_checkpoint_watch_skipped", "Finalized training steps the "
+                                      "checkpoint watcher could not read and skipped", value=watch["skipped"])
 
 
 class ServingMetrics:
@@ -40,6 +81,13 @@ class ServingMetrics:
         self.tau = Histogram("dilaserve_tau", "Threshold used per request step", buckets=TAU_BUCKETS, registry=r)
         self.tokens_per_step = Histogram("dilaserve_tokens_per_step", "Tokens committed per request step",
                                          buckets=TOKEN_BUCKETS, registry=r)
+        self.failures = Counter("dilaserve_instance_failures", "Instances that failed (runner fault, dead loop, "
+                                "watchdog)", ["instance"], registry=r)
+        self.migrations = Counter("dilaserve_migrations", "Requests moved between instances", ["reason"], registry=r)
+        self.reloads = Counter("dilaserve_weight_reloads", "Weight reloads swapped in", registry=r)
+        self.reconfigurations = Counter("dilaserve_reconfigurations", "Layout switches", ["from", "to"], registry=r)
+        self.reconfigure_seconds = Histogram("dilaserve_reconfigure_seconds", "Duration of a layout switch",
+                                             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
         if cluster is not None:
             r.register(_ClusterCollector(cluster))
         self._http = None
@@ -50,6 +98,18 @@ class ServingMetrics:
         for tau, outcome in zip(plan.taus, outcomes):
             self.tau.observe(tau)
             self.tokens_per_step.observe(outcome.n_committed)
+
+    def cluster_event(self, event: str, details: dict) -> None:
+        """Cluster listener (runs on an engine or watchdog thread)."""
+        if event == "failure":
+            self.failures.labels(instance=details["instance"]).inc()
+        elif event == "migration":
+            self.migrations.labels(reason=details["reason"]).inc(details["count"])
+        elif event == "reload":
+            self.reloads.inc()
+        elif event == "reconfigure":
+            self.reconfigurations.labels(**{"from": details["from"], "to": details["to"]}).inc()
+            self.reconfigure_seconds.observe(details["seconds"])
 
     def finished(self, outcome: str, deadline_met: bool | None = None) -> None:
         self.requests.labels(outcome=outcome).inc()

@@ -11,7 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dilaserve_jax.frontend import dilaserve_pb2 as pb
-from dilaserve_jax.frontend.auth import BearerTokenInterceptor
+from dilaserve_jax.frontend.auth import AccessInterceptor
 from dilaserve_jax.frontend.metrics import ServingMetrics
 from dilaserve_jax.frontend.service import DiLaServeService
 
@@ -26,6 +26,8 @@ class ServerOptions:
     port: int = 50051  # 0 = any free port
     metrics_port: int | None = 9464  # None = no metrics endpoint; 0 = any free port
     auth_token: str | None = None
+    admin_token: str | None = None
+    weights_roots: tuple[str, ...] = ()  # besides the served model's own directory
     tls_cert: str | None = None
     tls_key: str | None = None
     grace_s: float = 30.0
@@ -38,18 +40,30 @@ class ServerOptions:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.grace_s < 0:
             raise ValueError("grace period must be >= 0")
+        if self.auth_token == "" or self.admin_token == "":
+            raise ValueError("tokens must not be empty")
+        if self.auth_token is not None and self.auth_token == self.admin_token:
+            raise ValueError("the admin token must differ from the inference token")
 
 
 class RunningServer:
     def __init__(self, server, service: DiLaServeService, health_servicer, metrics: ServingMetrics,
-                 port: int, metrics_port: int | None, grace_s: float):
+                 port: int, metrics_port: int | None, grace_s: float, access: AccessInterceptor):
         self.server, self.service, self.health, self.metrics = server, service, health_servicer, metrics
-        self.port, self.metrics_port, self.grace_s = port, metrics_port, grace_s
+        self.port, self.metrics_port, self.grace_s, self.access = port, metrics_port, grace_s, access
+        self._wanted_serving = False
 
     async def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        """SERVING only while wanted (warmed up, not draining) and some instance is alive."""
+        self._wanted_serving = serving
+        alive = bool(self.service.cluster.healthy_engines)
+        status = health_pb2.HealthCheckResponse.SERVING if serving and alive \
+            else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
+
+    async def refresh_health(self) -> None:
+        await self.set_serving(self._wanted_serving)
 
     async def drain_and_stop(self, grace_s: float | None = None) -> bool:
         """NOT_SERVING, refuse new calls, let in-flight calls finish (up to the grace period), stop."""
@@ -93,15 +107,15 @@ def service_handlers(service: DiLaServeService):
 
 async def start_server(cluster, options: ServerOptions) -> RunningServer:
     """Start listening (health NOT_SERVING until `set_serving(True)` after warm-up)."""
-    interceptors = [BearerTokenInterceptor(options.auth_token)] if options.auth_token else []
-    server = grpc.aio.server(interceptors=interceptors, options=[
+    access = AccessInterceptor(options.auth_token, options.admin_token, options.host)
+    server = grpc.aio.server(interceptors=[access] if access.active else [], options=[
         ("grpc.max_receive_message_length", options.max_message_bytes),
         ("grpc.max_send_message_length", options.max_message_bytes),
     ])
     metrics = ServingMetrics(cluster)
-    for engine in cluster.engines:
-        engine.add_step_hook(metrics.step_hook)
-    service = DiLaServeService(cluster, metrics)
+    cluster.add_step_hook(metrics.step_hook)  # on the engines a reconfiguration builds too
+    cluster.add_listener(metrics.cluster_event)
+    service = DiLaServeService(cluster, metrics, options.weights_roots)
     server.add_generic_rpc_handlers((service_handlers(service),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -119,6 +133,12 @@ async def start_server(cluster, options: ServerOptions) -> RunningServer:
     metrics_port = None
     if options.metrics_port is not None:
         metrics_port = metrics.serve_http(options.metrics_port, options.host)
-    running = RunningServer(server, service, health_servicer, metrics, port, metrics_port, options.grace_s)
+    running = RunningServer(server, service, health_servicer, metrics, port, metrics_port, options.grace_s, access)
+    loop = asyncio.get_running_loop()
+
+    def on_cluster_event(event: str, _details: dict) -> None:  # engine or watchdog thread
+        if event == "failure":
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(running.refresh_health()))
+    cluster.add_listener(on_cluster_event)
     await running.set_serving(False)
     return running

@@ -10,36 +10,15 @@ import uuid
 from dataclasses import dataclass
 
 from dilaserve_jax.frontend import dilaserve_pb2 as pb
+from dilaserve_jax.serving.limits import MAX_REQUEST_ID_CHARS, Limits
+
+__all__ = ["GenerateSpec", "InvalidRequest", "Limits", "validate"]
 
 
 class InvalidRequest(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """Server-side bounds and defaults for requests."""
-
-    max_len: int  # the model's canvas limit: prompt + answer area
-    vocab_size: int
-    reserved_ids: frozenset[int]  # mask, pad: never valid in a prompt
-    default_max_new_tokens: int = 64
-    default_block_length: int = 32
-    default_slo_ms: float = 10_000.0
-    default_tau_min: float = 0.5
-    default_tau_max: float = 1.0
-    max_block_length: int = 32
-    max_prompt_chars: int = 65_536
-
-    def __post_init__(self):
-        if self.default_max_new_tokens <= 0 or self.default_block_length <= 0:
-            raise ValueError("default max new tokens and block length must be positive")
-        if not 0 < self.default_tau_min <= self.default_tau_max <= 1:
-            raise ValueError("need 0 < default tau_min <= default tau_max <= 1")
-        if self.default_slo_ms <= 0:
-            raise ValueError("default SLO must be positive")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +33,7 @@ class GenerateSpec:
     tau_max: float
     temperature: float
     seed: int
+    max_accuracy_drop: float | None = None  # the request's own loss bound (points); None = the server's
 
 
 def _tau(value: float, field: str) -> float:
@@ -117,8 +97,13 @@ def validate(req: pb.GenerateRequest, tokenizer, limits: Limits) -> GenerateSpec
         raise InvalidRequest("tau_min", f"floor {tau_min} is above the ceiling tau_max {tau_max}")
     if not math.isfinite(req.temperature) or req.temperature < 0:
         raise InvalidRequest("temperature", f"must be >= 0, got {req.temperature}")
-    if len(req.request_id) > 128:
-        raise InvalidRequest("request_id", "longer than 128 characters")
+    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest("request_id", f"longer than {MAX_REQUEST_ID_CHARS} characters")
     request_id = req.request_id or uuid.uuid4().hex
+    drop = None
+    if req.HasField("max_accuracy_drop"):
+        if not math.isfinite(req.max_accuracy_drop) or req.max_accuracy_drop < 0:
+            raise InvalidRequest("max_accuracy_drop", f"must be a finite number of points >= 0, got {req.max_accuracy_drop}")
+        drop = float(req.max_accuracy_drop)
     return GenerateSpec(request_id, prompt, max_new, answer, block, slo_s, tau_min, tau_max,
-                        float(req.temperature), int(req.seed))
+                        float(req.temperature), int(req.seed), drop)

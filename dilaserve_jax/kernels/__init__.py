@@ -32,11 +32,13 @@ def describe_attention(impl: str) -> str:
 def attention(q, k, v, valid_len, impl: str = "xla", **kernel_options):
     """Bidirectional GQA attention of q [B,Q,H,D] over k/v [B,L,KVH,D], keys masked past valid_len [B].
 
-    kernel_options (block_q, block_k, lowering, interpret) go to the Pallas kernel only.
+    kernel_options (block_q, block_k, lowering, interpret) go to the Pallas kernel only. Inputs laid
+    out on an instance mesh by the sharding table run the kernel per device on its own heads.
     """
     impl = resolve_attention(impl)
     if impl == "xla":
         return reference_attention(q, k, v, valid_len)
-    from dilaserve_jax.kernels.flash import flash_attention  # Pallas; imported lazily
+    # Pallas, imported lazily. On a tensor-parallel instance it runs per shard over the inputs' mesh.
+    from dilaserve_jax.kernels.sharded import flash_attention_on_inputs_mesh
 
-    return flash_attention(q, k, v, valid_len, **kernel_options)
+    return flash_attention_on_inputs_mesh(q, k, v, valid_len, **kernel_options)

@@ -9,17 +9,17 @@ other processes' instances are None.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable
 
 import jax
 import numpy as np
 
-from dilaserve_jax.models.config import ModelConfig
 from dilaserve_jax.mesh.layout import Instance, Layout
 from dilaserve_jax.mesh.reshard import move
 from dilaserve_jax.mesh.sharding import param_shardings, partition_spec
+from dilaserve_jax.models.config import ModelConfig
+from dilaserve_jax.models.files import build_from_json, read_json
 
 
 def place_params(params, instance: Instance, cfg: ModelConfig):
@@ -99,9 +99,9 @@ def _restore_orbax(directory: Path, instance: Instance, layout: Layout, override
     from dilaserve_jax.models import registry
     from dilaserve_jax.models.checkpoint import restore_params
 
-    data = json.loads((directory / registry.CONFIG_FILE).read_text())
+    data = read_json(directory / registry.CONFIG_FILE)
     tokenizer_kind = data.pop("tokenizer", "char")
-    cfg = ModelConfig(**data).replace(**overrides)
+    cfg = build_from_json(ModelConfig, data, directory / registry.CONFIG_FILE).replace(**overrides)
     layout.spec.check_model(cfg)
     graphdef, abstract = abstract_sharded_params(cfg, instance)
     restored_step, params = restore_params(directory, abstract, step)

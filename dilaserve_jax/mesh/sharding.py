@@ -3,6 +3,8 @@
 Megatron-style tensor parallelism, one all-reduce after attention and one after the MLP:
 - q/k/v kernels [d, heads*hd] split by output columns. Columns are head-major, so this splits by
   heads; attn_out [heads*hd, d] is split by rows to match, and its matmul ends in the all-reduce.
+  q/k/v biases [heads*hd] (Dream) are split like their kernels' columns, so each device adds the
+  bias slice of its own heads.
 - MLP gate/up [d, mlp] split by hidden columns, down (ff_out) [mlp, d] by rows.
 - RMSNorm weights are tiny: replicated.
 - Embedding wte [V, d] split by d_model columns: the token lookup is then a purely local gather
@@ -27,9 +29,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dilaserve_jax.models.config import ModelConfig
 from dilaserve_jax.mesh.layout import MODEL_AXIS, Instance
-from dilaserve_jax.mesh.spec import check_model_tp
+from dilaserve_jax.mesh.spec import MeshSpecError, check_model_tp, head_problems
 
 COLUMNS = P(None, MODEL_AXIS)
+VECTOR = P(MODEL_AXIS)  # a bias, split with its projection's columns
 ROWS = P(MODEL_AXIS, None)
 REPLICATED = P()
 
@@ -52,6 +55,8 @@ SHARDING_RULES: tuple[ShardingRule, ...] = (
     ShardingRule(r"^wte$", COLUMNS, "d_model"),
     ShardingRule(r"^blocks/\d+/q_proj/kernel$", COLUMNS, "heads"),
     ShardingRule(r"^blocks/\d+/(k_proj|v_proj)/kernel$", COLUMNS, "kv_heads"),
+    ShardingRule(r"^blocks/\d+/q_proj/bias$", VECTOR, "heads"),
+    ShardingRule(r"^blocks/\d+/(k_proj|v_proj)/bias$", VECTOR, "kv_heads"),
     ShardingRule(r"^blocks/\d+/attn_out/kernel$", ROWS, "heads"),
     ShardingRule(r"^blocks/\d+/(ff_proj|up_proj)/kernel$", COLUMNS, "mlp"),
     ShardingRule(r"^blocks/\d+/ff_out/kernel$", ROWS, "mlp"),
@@ -59,7 +64,14 @@ SHARDING_RULES: tuple[ShardingRule, ...] = (
     ShardingRule(r"^lm_head/kernel$", COLUMNS, "vocab"),
 )
 
-KV_CACHE_SHARDED = P(None, None, MODEL_AXIS, None)  # [S, L, KVH, D] by kv heads
+HEADS_SHARDED = P(None, None, MODEL_AXIS, None)  # [B, T, heads, D] activations by heads
+KV_CACHE_SHARDED = HEADS_SHARDED  # [S, L, KVH, D] by kv heads
+
+
+def kv_heads_replicated(n_kv_heads: int, tp: int) -> bool:
+    """The GQA rule: with fewer kv heads than TP (or at TP 1) the K/V projections, the KV cache and
+    attention's K/V are whole on every device of the instance, since a kv head cannot be split."""
+    return tp == 1 or n_kv_heads < tp
 
 
 def param_path(keypath) -> str:
@@ -90,7 +102,7 @@ def partition_spec(path: str, cfg: ModelConfig, tp: int) -> P:
     rule = rule_for(path)
     if tp == 1 or rule.splits == "none":
         return REPLICATED
-    if rule.splits == "kv_heads" and cfg.n_kv_heads < tp:
+    if rule.splits == "kv_heads" and kv_heads_replicated(cfg.n_kv_heads, tp):
         return REPLICATED
     if (rule.splits == "vocab" and cfg.vocab_size % tp) or (rule.splits == "d_model" and cfg.d_model % tp):
         return REPLICATED
@@ -100,7 +112,22 @@ def partition_spec(path: str, cfg: ModelConfig, tp: int) -> P:
 def kv_cache_partition_spec(cfg: ModelConfig, tp: int) -> P:
     """PartitionSpec of one layer's K or V cache [S, L, KVH, D] on a TP-`tp` instance."""
     check_model_tp(cfg, tp)
-    return REPLICATED if tp == 1 or cfg.n_kv_heads < tp else KV_CACHE_SHARDED
+    return REPLICATED if kv_heads_replicated(cfg.n_kv_heads, tp) else KV_CACHE_SHARDED
+
+
+def attention_partition_specs(n_heads: int, n_kv_heads: int, tp: int) -> tuple[P, P]:
+    """(spec of q and the output [B, Q, H, D], spec of k and v [B, L, KVH, D]) inside a TP-`tp` instance.
+
+    Query heads are split as the q_proj columns that produce them; K/V follow the k/v_proj columns
+    and the KV cache (kv_heads_replicated). A kernel run per shard with these specs computes only
+    its own heads and needs no collective.
+    """
+    problems = head_problems(n_heads, n_kv_heads, tp)
+    if problems:
+        raise MeshSpecError(f"attention cannot run at TP {tp}: " + "; ".join(problems))
+    if tp == 1:
+        return REPLICATED, REPLICATED
+    return HEADS_SHARDED, REPLICATED if kv_heads_replicated(n_kv_heads, tp) else HEADS_SHARDED
 
 
 def kv_cache_sharding(instance: Instance, cfg: ModelConfig) -> NamedSharding:

@@ -91,13 +91,21 @@ def check_model_tp(cfg: ModelConfig, tp: int) -> None:
     """
     if not _is_power_of_two(tp):
         raise MeshSpecError(f"TP degree {tp} is not a power of two")
-    problems = []
-    if cfg.n_heads % tp:
-        problems.append(f"TP {tp} does not divide the {cfg.n_heads} attention heads")
-    if cfg.n_kv_heads >= tp and cfg.n_kv_heads % tp:
-        problems.append(f"TP {tp} does not divide the {cfg.n_kv_heads} kv heads (fewer kv heads than TP "
-                        "would be replicated, but this count would split a head)")
+    problems = head_problems(cfg.n_heads, cfg.n_kv_heads, tp)
     if cfg.mlp_hidden % tp:
         problems.append(f"TP {tp} does not divide the MLP width {cfg.mlp_hidden}")
     if problems:
         raise MeshSpecError(f"model {cfg.name!r} cannot run at TP {tp}: " + "; ".join(problems))
+
+
+def head_problems(n_heads: int, n_kv_heads: int, tp: int) -> list[str]:
+    """Why TP `tp` cannot split these attention heads (empty when it can); see `check_model_tp`."""
+    problems = []
+    if n_heads % tp:
+        problems.append(f"TP {tp} does not divide the {n_heads} attention heads")
+    if n_kv_heads >= tp and n_kv_heads % tp:
+        problems.append(f"TP {tp} does not divide the {n_kv_heads} kv heads (fewer kv heads than TP "
+                        "would be replicated, but this count would split a head)")
+    if n_heads % n_kv_heads:
+        problems.append(f"the {n_heads} attention heads are not a multiple of the {n_kv_heads} kv heads")
+    return problems

@@ -4,28 +4,32 @@ This is executor-side code (it touches JAX); the policy modules it wires togethe
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import jax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from dilaserve_jax.decoding.compiled import CompiledSteps
-from dilaserve_jax.decoding.state import init_state, state_shardings
-from dilaserve_jax.frontend.validation import Limits
 from dilaserve_jax.kernels import describe_attention
-from dilaserve_jax.mesh import Layout, kv_cache_sharding, load_into_layout
+from dilaserve_jax.mesh import Layout, check_model_tp, load_into_layout
+from dilaserve_jax.mesh.share import GIB, bytes_per_device, device_bytes_per_slot, share_layout, slots_within
 from dilaserve_jax.models.hf import abstract_params
-from dilaserve_jax.serving.cluster import Cluster, InstanceInfo
-from dilaserve_jax.serving.engine import Engine
+from dilaserve_jax.serving import limits as defaults
+from dilaserve_jax.serving.autoscale import MODES, Autoscaler
+from dilaserve_jax.serving.capacity import parse_layout
+from dilaserve_jax.serving.cluster import Cluster
+from dilaserve_jax.serving.controller import ClusterController, ControllerConfig
+from dilaserve_jax.serving.instances import JaxInstanceBuilder, instance_info, instance_name
 from dilaserve_jax.serving.latency import LatencyModel, Profile
-from dilaserve_jax.serving.runner import JaxRunner
-from dilaserve_jax.serving.scheduler import POLICIES, Scheduler, SchedulerConfig
-from dilaserve_jax.serving.threshold import ThresholdConfig, eval_rows_beside, prior_from_eval_json
+from dilaserve_jax.serving.limits import Limits
+from dilaserve_jax.serving.quality import BUDGET_MODES
+from dilaserve_jax.serving.scheduler import POLICIES
+from dilaserve_jax.serving.threshold import (ThresholdConfig, accuracy_from_eval_json, eval_rows_beside,
+                                             prior_from_eval_json, read_eval_rows)
 
 log = logging.getLogger(__name__)
 
@@ -35,21 +39,29 @@ class ServeConfig:
     model: str = "tiny"
     mesh: str = "2x4"
     policy: str = "dilaserve"
-    slots: int = 8  # per instance
-    length_buckets: tuple[int, ...] = ()  # default: half the model's max_len and max_len
+    slots: int = defaults.DEFAULT_SLOTS  # per instance
+    length_buckets: tuple[int, ...] = ()  # default: half and all of min(max_len, DEFAULT_MAX_CANVAS)
     block_buckets: tuple[int, ...] = (32,)  # smaller client blocks run padded in the 32 bucket
     cache_mode: str = "dual"
     attention: str = "auto"
     param_dtype: str | None = None
-    max_queue: int = 256
-    default_slo_ms: float = 10_000.0
-    default_max_new_tokens: int = 12
-    default_block_length: int = 32
-    tau_min: float = 0.5
-    tau_max: float = 1.0
+    max_queue: int = defaults.DEFAULT_MAX_QUEUE
+    default_slo_ms: float = defaults.DEFAULT_SLO_MS
+    default_max_new_tokens: int = defaults.DEFAULT_MAX_NEW_TOKENS
+    default_block_length: int = defaults.DEFAULT_BLOCK_LENGTH
+    tau_min: float = defaults.DEFAULT_TAU_MIN
+    tau_max: float = defaults.DEFAULT_TAU_MAX
+    step_timeout_s: float | None = defaults.DEFAULT_STEP_TIMEOUT_S  # watchdog; None disables
+    controller: str = "auto"  # auto | paused | manual (see serving/autoscale.py)
+    layouts: tuple[str, ...] = ()  # layouts the controller may choose; default: every partition
+    controller_config: ControllerConfig = field(default_factory=ControllerConfig)
     profile: str | None = None  # latency profile JSON; default: measured on the instances at start-up
-    prior: str | None = None  # eval --json rows for the τ -> tokens/step prior; default: eval*.json beside the weights
+    prior: str | None = None  # eval --json rows for the τ priors (speed, accuracy); default: eval*.json beside the weights
+    max_accuracy_drop: float | None = 1.0  # mean predicted accuracy loss bound, points vs τ_max; None: unbounded
+    budget_mode: str = "adaptive"  # "adaptive" (evidence, pooled budget) or "floor" (fixed floor)
     allow_unused_devices: bool = False
+    devices: tuple[int, ...] | None = None  # device ids to serve on (a share of the visible ones); None = all
+    kv_memory_gb: float | None = None  # per-device budget (GiB) for decode slots; sizes slots, at most `slots`
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -63,6 +75,26 @@ class ServeConfig:
                              f"bucket {max(self.block_buckets)}")
         if self.profile is not None and not Path(self.profile).is_file():
             raise ValueError(f"latency profile {self.profile} does not exist")
+        if self.default_max_new_tokens < 1:
+            raise ValueError(f"default max new tokens must be >= 1, got {self.default_max_new_tokens}")
+        if not 0 < self.tau_min <= self.tau_max <= 1:
+            raise ValueError(f"need 0 < tau_min <= tau_max <= 1, got {self.tau_min}, {self.tau_max}")
+        if self.step_timeout_s is not None and self.step_timeout_s <= 0:
+            raise ValueError(f"step timeout must be positive, got {self.step_timeout_s}")
+        if self.controller not in MODES:
+            raise ValueError(f"controller must be one of {MODES}, got {self.controller!r}")
+        for spec in self.layouts:
+            parse_layout(spec)
+        if self.devices is not None:
+            object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
+            if not self.devices or len(set(self.devices)) != len(self.devices):
+                raise ValueError(f"devices must be distinct ids, got {self.devices}")
+        if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
+            raise ValueError(f"the KV memory budget must be positive, got {self.kv_memory_gb}")
+        if self.max_accuracy_drop is not None and not 0 <= self.max_accuracy_drop < float("inf"):
+            raise ValueError(f"max accuracy drop must be a finite number of points >= 0, got {self.max_accuracy_drop}")
+        if self.budget_mode not in BUDGET_MODES:
+            raise ValueError(f"budget mode must be one of {BUDGET_MODES}, got {self.budget_mode!r}")
 
 
 @dataclass
@@ -76,16 +108,16 @@ class ServingModel:
     per_instance: list = field(default_factory=list)
 
 
+DEFAULT_MAX_CANVAS = 4096  # default largest length bucket: Dream's config allows 32k-131k positions,
+#   whose K/V slots would not fit; pass length_buckets to go longer
+
+
 def _length_buckets(cfg: ServeConfig, max_len: int) -> tuple[int, ...]:
-    buckets = cfg.length_buckets or (max_len // 2, max_len)
+    top = min(max_len, DEFAULT_MAX_CANVAS)
+    buckets = cfg.length_buckets or (top // 2, top)
     if max(buckets) > max_len:
         raise ValueError(f"length bucket {max(buckets)} exceeds the model's max_len {max_len}")
     return tuple(sorted(set(buckets)))
-
-
-def _state_sharding(instance, model_cfg, with_cache: bool):
-    template = init_state(model_cfg, 1, 1, with_cache=with_cache)
-    return state_shardings(template, kv_cache_sharding(instance, model_cfg), NamedSharding(instance.mesh, P()))
 
 
 def load_serving_model(cfg: ServeConfig, layout: Layout, source: str | None = None, step: int | None = None):
@@ -95,77 +127,134 @@ def load_serving_model(cfg: ServeConfig, layout: Layout, source: str | None = No
     return ServingModel(model_cfg, graphdef, loaded.tokenizer, loaded.source, per_instance)
 
 
-def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print) -> Cluster:
-    """Load, lay out and compile; returns a Cluster whose warm_up() measures the latency profile."""
-    layout = Layout.build(cfg.mesh, allow_unused=cfg.allow_unused_devices)
-    say(f"layout {layout} on {jax.device_count()} {jax.devices()[0].platform} device(s)")
+def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print, *, layout: Layout | None = None,
+                  model: ServingModel | None = None) -> Cluster:
+    """Load, lay out and compile; returns a Cluster whose warm_up() compiles every instance, measures
+    the latency profile and (unless --controller manual) starts the cluster controller. `layout` and
+    `model` (already placed in it, e.g. from memory) replace building and loading them."""
+    layout = layout or share_layout(cfg.mesh, cfg.devices, allow_unused=cfg.allow_unused_devices)
+    share = f"devices {list(cfg.devices)} of " if cfg.devices is not None else ""
+    say(f"layout {layout} on {share}{jax.device_count()} {jax.devices()[0].platform} device(s)")
     t0 = time.perf_counter()
-    model = load_serving_model(cfg, layout)
+    model = model or load_serving_model(cfg, layout)
     layout.spec.check_model(model.config)
     say(f"model {model.source} ({model.config.num_params / 1e6:.2f} M parameters) loaded in "
         f"{time.perf_counter() - t0:.1f} s; attention: {describe_attention(model.config.attention)}")
     lengths = _length_buckets(cfg, model.config.max_len)
-    compiled = CompiledSteps(model.config, model.graphdef)
-    runners, infos = [], []
-    for inst, params in zip(layout.instances, model.per_instance):
-        if params is None:  # another process's instance
-            continue
-        runner = JaxRunner(model.config, model.graphdef, params, num_slots=cfg.slots, length_buckets=lengths,
-                           block_buckets=cfg.block_buckets, cache_mode=cfg.cache_mode, tp_degree=inst.tp,
-                           state_sharding=_state_sharding(inst, model.config, cfg.cache_mode != "none"),
-                           compiled=compiled, warm_up=False, progress=False)
-        runners.append(runner)
-        infos.append(InstanceInfo(f"instance-{inst.index}", inst.tp, inst.device_ids))
-
+    cfg = _fit_kv_budget(cfg, model.config, layout, max(lengths))
     given = LatencyModel.from_profile(Profile.load(cfg.profile)) if cfg.profile else None
-    placeholder = given or _provisional_latency()
-    threshold = _threshold_config(cfg, model.source, say)
-    engines = []
-    for runner, info in zip(runners, infos):
-        sched = Scheduler(SchedulerConfig(num_slots=cfg.slots, policy=cfg.policy, tp=info.tp_degree,
-                                          max_queue=cfg.max_queue, threshold=threshold), placeholder)
-        engines.append(Engine(runner, sched, name=info.name))
-
-    def warm_up() -> None:
-        for runner, info in zip(runners, infos):
-            t = time.perf_counter()
-            runner.warm_up(progress=True)
-            say(f"{info.name} (TP {info.tp_degree}, devices {list(info.device_ids)}): compiled and warmed "
-                f"{len(runner.decoder.config.step_shapes())} step shapes in {time.perf_counter() - t:.1f} s")
-        missing = {i.tp_degree for i in infos} - set(given.tp_degrees if given else ())
-        if missing:
-            _measure_latency(runners, infos, cfg, lengths, engines, say, missing, given)
-
-    tok = model.tokenizer
+    latency = {tp: given for tp in (given.tp_degrees if given else ())}
+    builder = JaxInstanceBuilder(cfg, model, layout, lengths, _threshold_config(cfg, model.source, say),
+                                 latency=latency, placeholder=given or _provisional_latency(), say=say,
+                                 load_fn=load_serving_model)
+    instances = builder.local_instances()
+    engines = [builder.make_engine(inst, builder.params[instance_name(inst)]) for inst in instances]
+    infos = [instance_info(inst) for inst in instances]
+    _say_memory(cfg, model.config, builder, instances, max(lengths), say)
     limits = Limits(max_len=max(lengths), vocab_size=model.config.vocab_size,
                     reserved_ids=frozenset({model.config.mask_id, model.config.pad_id}),
                     default_max_new_tokens=cfg.default_max_new_tokens,
                     default_block_length=cfg.default_block_length, default_slo_ms=cfg.default_slo_ms,
                     default_tau_min=cfg.tau_min, default_tau_max=cfg.tau_max, max_block_length=max(cfg.block_buckets))
 
-    def reload(source: str, step: int | None) -> str:
-        new = load_serving_model(cfg, layout, source, step)
-        if jax.tree.structure(new.per_instance[0]) != jax.tree.structure(model.per_instance[0]) \
-                or new.config.replace(name=model.config.name) != model.config:
-            raise ValueError(f"{source} has a different architecture from the served model")
-        for runner, params in zip(runners, [p for p in new.per_instance if p is not None]):
-            runner.reload(params)
-        model.per_instance, model.source = new.per_instance, new.source
-        return new.source
+    def warm_up(cluster: Cluster) -> None:
+        """On each engine's own thread (it owns the runner), one instance after the other."""
+        for engine in cluster.engines:
+            builder.prepare(engine)
+        if cfg.controller != "manual":
+            start_controller(cluster, builder, cfg, say)
 
-    return Cluster(engines, infos, layout=str(layout.spec), policy=cfg.policy, model_source=model.source,
-                   tokenizer=tok, limits=limits, reload_fn=reload, warmup_fn=warm_up)
+    cluster = Cluster(engines, infos, layout=str(layout.spec), policy=cfg.policy, model_source=model.source,
+                      tokenizer=model.tokenizer, limits=limits, loader=builder.load, warmup_fn=warm_up,
+                      step_timeout_s=cfg.step_timeout_s, family=model.config.family)
+    cluster.builder = builder
+    cluster.autoscaler = Autoscaler(cluster, None, mode=cfg.controller)
+    return cluster
+
+
+def candidate_tp_degrees(cfg: ServeConfig, model_cfg, num_devices: int) -> list[int]:
+    """TP degrees the controller may use: powers of two up to the devices that the model allows,
+    or those of the --layouts given."""
+    if cfg.layouts:
+        return sorted({t for spec in cfg.layouts for t in parse_layout(spec)})
+    out = []
+    tp = 1
+    while tp <= num_devices:
+        try:
+            check_model_tp(model_cfg, tp)
+            out.append(tp)
+        except ValueError:
+            pass
+        tp *= 2
+    return out
+
+
+def _fit_kv_budget(cfg: ServeConfig, model_cfg, layout: Layout, length: int) -> ServeConfig:
+    """With a per-device KV budget: as many slots as it holds (at most `slots`) on an instance of the
+    narrowest TP degree any layout of these devices may use, so the budget holds after reshaping."""
+    if cfg.kv_memory_gb is None:
+        return cfg
+    tp = min(candidate_tp_degrees(cfg, model_cfg, len(layout.devices)) + [i.tp for i in layout.instances])
+    slots = slots_within(model_cfg, tp, length, int(cfg.kv_memory_gb * GIB), cfg.slots, cfg.cache_mode != "none")
+    return dataclasses.replace(cfg, slots=slots)
+
+
+def _say_memory(cfg: ServeConfig, model_cfg, builder, instances, length: int, say) -> None:
+    """Per instance: its slots and what its weights and decode state take on each of its devices."""
+    budget = f" (KV budget {cfg.kv_memory_gb:g} GiB per device)" if cfg.kv_memory_gb is not None else ""
+    for inst in instances:
+        weights = max(bytes_per_device(builder.params[instance_name(inst)]).values())
+        state = cfg.slots * device_bytes_per_slot(model_cfg, inst.tp, length, cfg.cache_mode != "none")
+        say(f"{instance_name(inst)}: {cfg.slots} slot(s); per device {weights / 2**20:.1f} MiB weights + "
+            f"{state / 2**20:.1f} MiB decode state{budget}")
+
+
+def start_controller(cluster: Cluster, builder: JaxInstanceBuilder, cfg: ServeConfig, say) -> None:
+    """Measure the candidate TP degrees no profile covers (in the background: serving goes on),
+    then hand the controller to the cluster's autoscaler. The thread is not a daemon, and it checks
+    for the cluster stopping between measurements, so the process never exits mid-compile."""
+    tps = candidate_tp_degrees(cfg, builder.model.config, len(builder.layout.devices))
+
+    def setup() -> None:
+        for tp in tps:
+            if cluster.stopping:
+                return
+            if tp not in builder.latency:
+                say(f"controller: measuring TP {tp} for its latency model (serving goes on)")
+                builder.measure_tp(tp)
+        if cluster.stopping:
+            return
+        ctl = ClusterController(cfg.controller_config, num_devices=len(builder.layout.devices), tp_degrees=tps,
+                                latency=dict(builder.latency), slots=cfg.slots,
+                                param_bytes=_param_bytes(builder.model.config), layouts=cfg.layouts or None,
+                                tau_floor=cfg.tau_min, prior=dict(builder.threshold.prior))
+        cluster.autoscaler.set_controller(ctl)
+        say(f"controller: {cfg.controller}, {len(ctl.candidates)} candidate layouts over TP {tps}")
+
+    thread = threading.Thread(target=setup, name="controller-setup")
+    cluster.background.append(thread)
+    thread.start()
+
+
+def _param_bytes(c) -> int:
+    return c.num_params * (2 if str(getattr(c, "param_dtype", "")) == "bfloat16" else 4)
 
 
 def _threshold_config(cfg: ServeConfig, source: str, say) -> ThresholdConfig:
-    """The τ -> tokens/step prior measured by the eval command, when there is one; else the default."""
+    """The τ -> tokens/step and τ -> accuracy priors measured by the eval command, with the accuracy-loss
+    budget, when there are eval rows; else the built-in speed prior and no budget (it cannot be priced)."""
     path = cfg.prior or eval_rows_beside(source)
     if path is None:
-        say("threshold prior: built-in default (no eval rows beside the weights; pass --prior eval.json)")
+        say("threshold prior: built-in default (no eval rows beside the weights; pass --prior eval.json); "
+            "accuracy budget NOT enforced: no accuracy model")
         return ThresholdConfig()
-    prior = prior_from_eval_json(path)
-    say(f"threshold prior from {path}: " + ", ".join(f"τ={t:g} {v:.2f} tok/step" for t, v in prior.items()))
-    return ThresholdConfig.with_prior(prior)
+    rows = read_eval_rows(path)  # refuses rows without accuracy
+    prior, acc = prior_from_eval_json(rows), accuracy_from_eval_json(rows)
+    say(f"threshold priors from {path}: " + ", ".join(f"τ={t:g} {v:.2f} tok/step {100 * acc[t]:.1f}%"
+                                                     for t, v in prior.items()))
+    budget = "unbounded" if cfg.max_accuracy_drop is None else f"{cfg.max_accuracy_drop:g} points"
+    say(f"accuracy budget: {budget} mean predicted drop vs τ_max ({cfg.budget_mode})")
+    return ThresholdConfig.from_eval(rows, max_accuracy_drop=cfg.max_accuracy_drop, budget_mode=cfg.budget_mode)
 
 
 def _provisional_latency() -> LatencyModel:
@@ -175,18 +264,3 @@ def _provisional_latency() -> LatencyModel:
     return LatencyModel.from_profile(fake_profile())
 
 
-def _measure_latency(runners, infos, cfg, lengths, engines, say, tps: set[int], given: LatencyModel | None) -> None:
-    """Profile one instance of each TP degree the given profile (if any) lacks, and install the fits."""
-    from dilaserve_jax.serving.profiling import measure_profile
-
-    t = time.perf_counter()
-    by_tp: dict[int, LatencyModel] = {tp: given for tp in {i.tp_degree for i in infos} - tps}
-    for runner, info in zip(runners, infos):
-        if info.tp_degree in by_tp:
-            continue
-        profile = measure_profile(runner, batches=runner.decoder.config.batch_buckets, lengths=lengths,
-                                  blocks=cfg.block_buckets, repeats=2, progress=False)
-        by_tp[info.tp_degree] = LatencyModel.from_profile(profile)
-    for engine, info in zip(engines, infos):
-        engine.scheduler.set_latency_model(by_tp[info.tp_degree])
-    say(f"measured step-latency profile for TP {sorted(tps)} in {time.perf_counter() - t:.1f} s")

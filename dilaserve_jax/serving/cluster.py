@@ -1,18 +1,49 @@
-"""A cluster: the engines of one layout behind a router, plus the operations the frontend needs.
+"""A cluster: the engines of one layout, a router, and what the frontend needs from them.
 
-Pure Python over engines: which runners the engines drive (real jitted decoding, or the fake runner
-in tests) is decided by whoever builds the cluster (see serving/build.py for the real one).
+The cluster owns the table of requests in flight (ids are unique across instances) and moves
+requests between engines: when an instance fails, the requests it held — running and waiting —
+are re-queued on the survivors from their last committed canvas (their next step is a refresh);
+only when no instance survives do they fail, with `NoInstanceAvailable` naming the faults. A
+watchdog thread fails an instance whose runner call outlives `step_timeout_s`.
+
+Pure Python over engines: which runners they drive (real jitted decoding, or the fake runner in
+tests) is decided by whoever builds the cluster (see serving/build.py for the real one).
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from dilaserve_jax.serving.engine import Engine, ProgressFn, RequestHandle
-from dilaserve_jax.serving.request import Request
-from dilaserve_jax.serving.router import Router
+from dilaserve_jax.serving.engine import (Engine, EngineUnavailable, Handoff, ProgressFn, RequestHandle,
+                                          RequestResult)
+from dilaserve_jax.serving.limits import DEFAULT_STEP_TIMEOUT_S
+from dilaserve_jax.serving.request import Request, RequestState
+from dilaserve_jax.serving.router import NoInstanceAvailable, Router
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[str, dict], None]  # (event, details): "failure", "migration", "reload", "reconfigure"
+ArrivalObserver = Callable[[Request, float], None]
+
+
+class DuplicateRequest(ValueError):
+    """A request with this id is already in flight somewhere in the cluster."""
+
+
+class ClusterBusy(RuntimeError):
+    """Another administrative operation (reload, reconfiguration) is under way."""
+
+
+class WeightsError(ValueError):
+    """New weights could not be read (missing, unreadable, corrupt, not a checkpoint)."""
+
+
+class IncompatibleWeights(WeightsError):
+    """New weights were read but do not fit the served model's architecture."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,56 +53,380 @@ class InstanceInfo:
     device_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class NewWeights:
+    """Weights loaded for a reload: a label for the source, and params placed per instance name."""
+
+    source: str
+    params: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadReport:
+    source: str
+    seconds: float
+    swapped_at: Mapping[str, float]  # instance -> engine-clock time of its swap
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Request
+    future: Future
+    on_progress: ProgressFn | None
+    instance: str
+
+
 class Cluster:
     def __init__(self, engines: Sequence[Engine], infos: Sequence[InstanceInfo], *, layout: str, policy: str,
                  model_source: str, tokenizer, limits, clock: Callable[[], float] = time.monotonic,
-                 reload_fn: Callable[[str, int | None], str] | None = None,
-                 warmup_fn: Callable[[], None] | None = None):
+                 loader: Callable[[str, int | None], NewWeights] | None = None,
+                 warmup_fn: Callable[["Cluster"], None] | None = None,
+                 step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S, family: str = ""):
         if len(engines) != len(infos):
             raise ValueError("one InstanceInfo per engine")
-        self.engines, self.infos = list(engines), list(infos)
-        self.router = Router(self.engines)
-        self.layout, self.policy, self.model_source = layout, policy, model_source
+        names = [e.name for e in engines]
+        if len(set(names)) != len(names) or names != [i.name for i in infos]:
+            raise ValueError(f"engine names must be unique and match the infos: {names}")
+        if step_timeout_s is not None and step_timeout_s <= 0:
+            raise ValueError("step_timeout_s must be positive (or None to disable the watchdog)")
+        self.engines, self.infos = list(engines), list(infos)  # replaced whole (never mutated) on reshaping
+        self.retiring: dict[str, Engine] = {}  # engines a reconfiguration is removing, until they are empty
+        self.router = Router()
+        self.layout, self.policy, self.model_source, self.family = layout, policy, model_source, family
         self.tokenizer, self.limits, self.clock = tokenizer, limits, clock
-        self._reload_fn, self._warmup_fn = reload_fn, warmup_fn
-        self._reload_lock = threading.Lock()
+        self.step_timeout_s = step_timeout_s
+        self._loader, self._warmup_fn = loader, warmup_fn
+        self._lock = threading.Lock()  # the in-flight table and placement
+        self._admin = threading.Lock()  # one reload / reconfiguration at a time
+        self._inflight: dict[str, _Tracked] = {}
+        self._abort_wanted: set[str] = set()
+        self._listeners: list[Listener] = []
+        self._observers: list[ArrivalObserver] = []
+        self._step_hooks: list = []
+        self._held: list[tuple[_Tracked, Handoff]] = []  # placed once a reconfiguration brings instances up
+        self.switching = False
+        self.builder = None  # executor-side InstanceBuilder (serving.reshape) for reconfigurations
+        self.autoscaler = None  # serving.autoscale.Autoscaler running the cluster controller
+        self.background: list[threading.Thread] = []  # set-up work that stop() waits for
+        self.reconfigurations: list = []  # ReshapeReports, newest last
+        self._watchdog: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.failures: dict[str, str] = {}  # instance -> fault
+        self.migrations: dict[str, int] = {}  # reason -> requests moved
+        self.reloads = 0
+        self.weight_updates: dict[str, int] = {}  # origin ("reload", "push", "watch") -> swaps
+        self._status: dict[str, Callable[[], dict]] = {}
         self.ready = False
+        for e in self.engines:
+            e.on_failure = self._on_failure
 
+    # --- lifecycle ---
     def warm_up(self) -> None:
-        """Compile and warm every instance (slow; run it off the event loop)."""
+        """Compile and warm every instance on its engine thread (slow; run it off the event loop)."""
+        if any(e.state.name == "CREATED" for e in self.engines):
+            raise RuntimeError("start the cluster before warming it up (the engines do the work)")
         if self._warmup_fn is not None:
-            self._warmup_fn()
+            self._warmup_fn(self)
         self.ready = True
 
     def start(self) -> "Cluster":
-        self.router.start()
+        for e in self.engines:
+            e.start()
+        if self.step_timeout_s is not None and self._watchdog is None:
+            self._stopping.clear()
+            self._watchdog = threading.Thread(target=self._watch, name="cluster-watchdog", daemon=True)
+            self._watchdog.start()
         return self
 
-    def stop(self) -> None:
-        self.router.stop()
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
 
-    def submit(self, request: Request, on_progress: ProgressFn | None = None) -> RequestHandle:
+    def stop(self, timeout: float | None = 5.0, wait_background: bool = True) -> None:
+        """Stop the controller, the engines and the watchdog. Background set-up work (a latency
+        measurement) is waited for unless `wait_background` is False (a process about to exit)."""
+        self._stopping.set()
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
+        if wait_background:
+            for t in self.background:  # let a measurement finish rather than die mid-compile
+                t.join()
+        errors = []
+        for e in [*self.engines, *self.retiring.values()]:
+            try:
+                e.stop(timeout)
+            except TimeoutError as err:
+                errors.append(err)
+        if self._watchdog is not None:
+            self._watchdog.join(timeout)
+            self._watchdog = None
+        if errors:
+            raise TimeoutError("; ".join(map(str, errors)))
+
+    def add_listener(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def add_arrival_observer(self, observer: ArrivalObserver) -> None:
+        """`observer(request, now)` on every accepted submission (the controller's load estimate)."""
+        self._observers.append(observer)
+
+    def add_step_hook(self, hook) -> None:
+        """A step hook on every engine, present and future (reconfigurations build new ones)."""
+        self._step_hooks.append(hook)
+        for e in self.engines:
+            e.add_step_hook(hook)
+
+    def adopt_engines(self, engines: Sequence[Engine]) -> None:
+        """Prepare engines a reconfiguration built: failure handling and the cluster's step hooks."""
+        for e in engines:
+            e.on_failure = self._on_failure
+            for hook in self._step_hooks:
+                e.add_step_hook(hook)
+
+    # --- requests ---
+    def submit(self, request: Request, on_progress: ProgressFn | None = None,
+               instance: str | None = None) -> RequestHandle:
+        """Place a request (on `instance` while it is healthy, else where the router says)."""
         if not self.ready:
-            raise RuntimeError("server is still compiling and warming up")
-        return self.router.submit(request, on_progress)
+            raise EngineUnavailable("server is still compiling and warming up")
+        fut: Future = Future()
+        with self._lock:
+            if request.id in self._inflight:
+                raise DuplicateRequest(f"request id {request.id!r} is already in flight")
+            tracked = _Tracked(request, fut, on_progress, "")
+            self._inflight[request.id] = tracked
+            try:
+                self._place_locked(tracked, Handoff(request, fut, on_progress), prefer=instance)
+            except BaseException:
+                del self._inflight[request.id]
+                raise
+        fut.add_done_callback(lambda _f, rid=request.id: self._forget(rid))
+        now = self.clock()
+        for observe in self._observers:
+            observe(request, now)
+        return RequestHandle(request.id, fut, lambda: tracked.instance, lambda: self.abort(request.id))
 
     def abort(self, request_id: str) -> bool:
-        return self.router.abort(request_id)
+        with self._lock:
+            tracked = self._inflight.get(request_id)
+            if tracked is None:
+                return False
+            self._abort_wanted.add(request_id)
+            if not tracked.instance:  # held during a reconfiguration: dropped when placed
+                return True
+            engine = self.engine(tracked.instance)
+        engine.abort(request_id)
+        return True
+
+    def instance_of(self, request_id: str) -> str | None:
+        with self._lock:
+            t = self._inflight.get(request_id)
+        return t.instance if t else None
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._inflight)
+
+    def engine(self, name: str) -> Engine:
+        for e in self.engines:
+            if e.name == name:
+                return e
+        if name in self.retiring:
+            return self.retiring[name]
+        raise KeyError(name)
+
+    @property
+    def healthy_engines(self) -> list[Engine]:
+        return [e for e in self.engines if e.healthy]
+
+    # --- moving requests ---
+    def requeue(self, handoffs: Sequence[Handoff], reason: str, exclude: frozenset[str] = frozenset(),
+                prefer: str | None = None) -> None:
+        """Place requests taken off an instance on the others (their next step is a refresh);
+        `prefer`: the instance to place them on while it is healthy (a migration's target)."""
+        with self._lock:
+            items = [(self._inflight[h.request.id], h) for h in handoffs if h.request.id in self._inflight]
+        self._place_all(items, exclude, prefer)
+        if handoffs:
+            self.migrations[reason] = self.migrations.get(reason, 0) + len(handoffs)
+            self._emit("migration", {"reason": reason, "count": len(handoffs)})
+
+    def place_held(self) -> None:
+        """Place the requests held while no instance was up (end of a reconfiguration)."""
+        with self._lock:
+            held, self._held = self._held, []
+        self._place_all(held)
+
+    def _place_all(self, items, exclude: frozenset[str] = frozenset(), prefer: str | None = None) -> None:
+        """Place (tracked, handoff) pairs; an abort asked for meanwhile ends the request instead.
+        Futures are resolved outside the lock: their callbacks take it."""
+        settled: list[tuple[Future, Any]] = []
+        with self._lock:
+            for tracked, h in items:
+                if h.request.id not in self._inflight:  # resolved meanwhile
+                    continue
+                if h.request.id in self._abort_wanted:
+                    h.request.transition(RequestState.FINISHED_ABORTED, self.clock())
+                    settled.append((h.future, RequestResult.of(h.request, tracked.instance)))
+                    continue
+                try:
+                    self._place_locked(tracked, h, exclude, prefer)
+                except NoInstanceAvailable as err:
+                    settled.append((h.future, err))
+        for fut, outcome in settled:
+            if isinstance(outcome, BaseException):
+                _fail(fut, outcome)
+            else:
+                _resolve(fut, outcome)
+
+    def _place_locked(self, tracked: _Tracked, h: Handoff, exclude: frozenset[str] = frozenset(),
+                      prefer: str | None = None) -> None:
+        tried = set(exclude)
+        while True:
+            snaps = [e.snapshot() for e in self.engines]
+            if prefer is not None and prefer not in tried and any(s.name == prefer and s.healthy for s in snaps):
+                name = prefer
+            else:
+                try:
+                    name = self.router.choose(snaps, h.request, self.clock(), frozenset(tried))
+                except NoInstanceAvailable:
+                    if self.switching:  # instances are coming up: hold it until they are
+                        self._held.append((tracked, h))
+                        tracked.instance = ""
+                        return
+                    raise
+            try:
+                self.engine(name).submit(h.request, h.on_progress, future=h.future, speed_ratio=h.speed_ratio)
+            except EngineUnavailable:  # it failed since its snapshot: try the others
+                tried.add(name)
+                continue
+            tracked.instance = name
+            return
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._inflight.pop(request_id, None)
+            self._abort_wanted.discard(request_id)
+
+    def _on_failure(self, engine: Engine, handoffs: list[Handoff], error: BaseException) -> None:
+        fault = f"{type(error).__name__}: {error}"
+        self.failures[engine.name] = fault
+        log.error("instance %s failed (%s); re-queueing %d request(s) on the survivors", engine.name, fault,
+                  len(handoffs))
+        self._emit("failure", {"instance": engine.name, "error": fault})
+        self.requeue(handoffs, "failure", exclude=frozenset({engine.name}))
+
+    def _watch(self) -> None:
+        limit = self.step_timeout_s
+        period = min(1.0, limit / 4)
+        while not self._stopping.wait(period):
+            for e in [*self.engines, *self.retiring.values()]:
+                e.check_hung(limit)
+
+    def _emit(self, event: str, details: dict) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(event, details)
+            except Exception:  # noqa: BLE001 - an observer must not break serving
+                log.exception("cluster listener failed on %s", event)
+
+    # --- administration ---
+    def reload(self, source: str, step: int | None = None, timeout: float | None = 600.0,
+               origin: str = "reload") -> ReloadReport:
+        """Load new weights and swap them into every serving instance between two of its steps.
+
+        Requests in flight keep running: each one's remaining steps use the new weights, starting
+        with a refresh (its cached K/V came from the old ones). Raises ClusterBusy if another
+        reload or reconfiguration is under way; the loader's errors pass through unchanged (the
+        old weights keep serving)."""
+        if self._loader is None:
+            raise ValueError("this cluster cannot reload weights")
+        return self._swap_weights(lambda: self._loader(source, step), timeout, None, origin)
+
+    def swap_in(self, new: NewWeights | Callable[[], NewWeights], timeout: float | None = 600.0,
+                wait_s: float | None = None, origin: str = "push") -> ReloadReport:
+        """Swap weights already placed on every instance's devices (e.g. pushed in memory by a
+        training job) in, exactly as `reload` does after loading. `new` may be a function giving them,
+        called while no reload or reconfiguration can start. `wait_s`: how long to wait for one under
+        way (None: raise ClusterBusy at once)."""
+        return self._swap_weights(new if callable(new) else lambda: new, timeout, wait_s, origin)
+
+    def add_status(self, name: str, status: Callable[[], dict]) -> None:
+        """Report `status()` under `name` in state() (e.g. a checkpoint watcher's progress)."""
+        self._status = {**self._status, name: status}
+
+    def _swap_weights(self, make: Callable[[], NewWeights], timeout: float | None, wait_s: float | None,
+                      origin: str) -> ReloadReport:
+        got = self._admin.acquire(blocking=False) if wait_s is None else self._admin.acquire(timeout=wait_s)
+        if not got:
+            raise ClusterBusy("another reload or reconfiguration is in progress")
+        try:
+            t0 = time.perf_counter()
+            new = make()
+            missing = sorted({e.name for e in self.healthy_engines} - set(new.params))
+            if missing:
+                raise WeightsError(f"the new weights hold no params for instance(s) {missing}")
+            swaps = {e.name: e.swap_weights(new.params[e.name]) for e in self.healthy_engines}
+            swapped = {}
+            for name, fut in swaps.items():
+                try:
+                    swapped[name] = fut.result(timeout)
+                except EngineUnavailable:  # failed meanwhile; its requests moved to the others
+                    pass
+            self.model_source = new.source
+            self.reloads += 1
+            self.weight_updates[origin] = self.weight_updates.get(origin, 0) + 1
+            report = ReloadReport(new.source, time.perf_counter() - t0, swapped)
+            self._emit("reload", {"source": new.source, "seconds": report.seconds, "origin": origin})
+            return report
+        finally:
+            self._admin.release()
+
+    def reconfigure(self, spec: str, reason: str = "manual"):
+        """Reshape the devices into the layout `spec` while serving (see serving/reshape.py)."""
+        from dilaserve_jax.serving.reshape import reconfigure
+
+        return reconfigure(self, spec, reason)
+
+    def migrate(self, request_id: str, target: str, reason: str = "rebalance", timeout: float = 60.0) -> bool:
+        """Move one request to instance `target` at its next step boundary (False if it is gone)."""
+        from dilaserve_jax.serving.reshape import migrate
+
+        return migrate(self, request_id, target, reason, timeout)
 
     def state(self) -> dict:
         instances = []
         for engine, info in zip(self.engines, self.infos):
             snap = engine.snapshot()
             instances.append({"name": info.name, "tp_degree": info.tp_degree, "device_ids": list(info.device_ids),
-                              "slots": snap.num_slots, "running": len(snap.running_left),
-                              "waiting": len(snap.waiting_left), "steps_done": engine.steps})
-        return {"layout": self.layout, "policy": self.policy, "model": self.model_source, "instances": instances}
+                              "slots": snap.load.num_slots, "running": len(snap.load.running_left),
+                              "waiting": len(snap.load.waiting_left) + len(snap.pending), "steps_done": snap.steps,
+                              "state": snap.state.name.lower(), "error": snap.error or "",
+                              "quality": snap.load.quality.as_dict() if snap.load.quality else None})
+        scaler = self.autoscaler
+        ctl = getattr(scaler, "controller", None)
+        return {"layout": self.layout, "policy": self.policy, "model": self.model_source, "family": self.family,
+                "instances": instances, "failures": dict(self.failures), "migrations": dict(self.migrations),
+                "reloads": self.reloads, "in_flight": self.in_flight(), "weight_updates": dict(self.weight_updates),
+                "controller_mode": scaler.mode if scaler is not None else "manual",
+                "decisions": [str(d) for d in list(ctl.history)[-8:]] if ctl is not None else [],
+                "reconfigurations": [str(r) for r in self.reconfigurations[-8:]],
+                "recent_migrations": [f"{m.request_id}: {m.source} -> {m.target} ({m.reason})"
+                                      for _, m in list(getattr(scaler, "migrations", []))[-8:]],
+                **{name: status() for name, status in self._status.items()}}
 
-    def reload(self, source: str, step: int | None = None) -> tuple[str, float]:
-        """Swap in new weights between steps; requests in flight keep running."""
-        if self._reload_fn is None:
-            raise ValueError("this cluster cannot reload weights")
-        with self._reload_lock:
-            t0 = time.perf_counter()
-            self.model_source = self._reload_fn(source, step)
-            return self.model_source, time.perf_counter() - t0
+
+def _fail(fut: Future, err: BaseException) -> None:
+    if not fut.done():
+        try:
+            fut.set_exception(err)
+        except Exception:  # noqa: BLE001 - cancelled concurrently
+            pass
+
+
+def _resolve(fut: Future, value) -> None:
+    if not fut.done():
+        try:
+            fut.set_result(value)
+        except Exception:  # noqa: BLE001 - cancelled concurrently
+            pass

@@ -1,31 +1,57 @@
 """The engine of one instance: schedule → run the step on the runner → update, in a loop.
 
-Threading model: one Engine per instance, each looping in its own thread. The jitted step call
-(dispatch and the wait for its result) releases the GIL, so per-instance threads overlap on their
-separate devices while Python scheduling work is small; a thread per instance also keeps each
-loop's timing independent of the others' step lengths (one loop dispatching all instances would
-have to poll and join heterogeneous steps). The scheduler and runner are touched only by the loop
-thread. `submit` and `abort` are thread-safe: they enqueue operations that the loop applies between
-steps; results come back through a `concurrent.futures.Future` (use `asyncio.wrap_future` from
-asyncio) and an optional per-step progress callback, which runs on the engine thread and must be
-quick (from asyncio, hand it over with `loop.call_soon_threadsafe`).
+Ownership rule. The engine thread is the only code that touches this instance's runner,
+scheduler, threshold controller and the requests they hold. Every other thread (gRPC workers,
+the cluster, a weight push, a profiler) goes through the mailbox: `submit`, `abort` and `call`
+enqueue an operation that the loop applies between two steps, and the caller waits on a
+`concurrent.futures.Future`. Callers read only the immutable `EngineSnapshot` the loop publishes
+after every iteration. One exception, and it is a hand-over, not sharing: when the instance
+fails (its runner raised, or a runner call outlived the watchdog), `fail` takes the `_owner`
+lock, which the loop holds everywhere except inside runner calls, marks the engine FAILED and
+takes its unfinished requests away; the loop notices on its next acquisition and exits without
+touching them again.
+
+A thread per instance: the jitted step call releases the GIL while the device works, so
+instances on separate devices overlap, and each loop's timing is independent of the others'
+step lengths. Progress callbacks run on the engine thread and must be quick (from asyncio, hand
+over with `loop.call_soon_threadsafe`).
 """
 from __future__ import annotations
 
-import heapq
+import dataclasses
 import logging
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from enum import IntEnum
+from typing import Any, Callable, Sequence
 
 from dilaserve_jax.serving.request import Request, RequestState
 from dilaserve_jax.serving.scheduler import LoadSnapshot, Scheduler
 from dilaserve_jax.serving.types import Runner, SlotOutcome, StepKind, StepPlan
 
 log = logging.getLogger(__name__)
+
+
+class EngineState(IntEnum):
+    CREATED = 0  # loop not started (step_once may still be driven by hand)
+    RUNNING = 1
+    STOPPED = 2
+    FAILED = 3
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine does not take work: stopped, or failed (`cause` says why)."""
+
+    def __init__(self, message: str, cause: BaseException | None = None):
+        super().__init__(message)
+        self.cause = cause
+
+
+class HungStep(RuntimeError):
+    """A runner call outlived the watchdog's limit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +66,7 @@ class StepProgress:
     committed: int  # answer tokens committed so far
     answer_length: int
     time: float
+    instance: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,34 +81,77 @@ class RequestResult:
     steps: int
     mean_tau: float | None
     reject_reason: str | None = None
+    instance: str = ""  # the instance that finished it
+    moves: int = 0
+    taus: tuple[float, ...] = ()  # τ of every step, in order
+    predicted_loss: float = 0.0  # accuracy points its τ trajectory is predicted to have cost
 
     @classmethod
-    def of(cls, r: Request) -> "RequestResult":
+    def of(cls, r: Request, instance: str = "") -> "RequestResult":
         return cls(r.id, r.state, tuple(r.output_tokens or ()), bool(r.deadline_met), r.arrival, r.start_time,
-                   r.finish_time, len(r.steps), r.mean_tau(), r.reject_reason)
+                   r.finish_time, len(r.steps), r.mean_tau(), r.reject_reason, instance, r.moves,
+                   tuple(s.tau for s in r.steps), r.predicted_loss)
 
 
 ProgressFn = Callable[[StepProgress], None]
 StepHook = Callable[[str, StepPlan, Sequence[SlotOutcome], float, float], None]  # name, plan, outcomes, t0, t1
 
 
+@dataclass(slots=True)
+class Handoff:
+    """An unfinished request leaving an instance, with the future and callback of its caller."""
+
+    request: Request
+    future: Future
+    on_progress: ProgressFn | None
+    speed_ratio: float | None = None
+
+
+FailureFn = Callable[["Engine", list[Handoff], BaseException], None]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """What other threads may read about an engine (published by its loop; immutable)."""
+
+    name: str
+    state: EngineState
+    load: LoadSnapshot
+    pending: tuple[float, ...]  # predicted seconds of work submitted, not yet seen by the scheduler
+    steps: int
+    error: str | None
+
+    @property
+    def healthy(self) -> bool:
+        return self.state in (EngineState.CREATED, EngineState.RUNNING)
+
+
+def own_time(load: LoadSnapshot, request: Request) -> float:
+    """The request's own predicted seconds on an instance, at τ_max, at the batch the instance's
+    published load implies (pure: reads only the immutable snapshot)."""
+    if load.estimator is None:
+        return 0.0
+    batch = max(1, min(load.num_slots, len(load.running_left) + len(load.waiting_left) + 1))
+    return load.estimator.own_time(request, batch)
+
+
 class RequestHandle:
-    def __init__(self, request_id: str, future: Future, engine: "Engine") -> None:
-        self.request_id, self.future, self._engine = request_id, future, engine
+    def __init__(self, request_id: str, future: Future, where: Callable[[], str], abort: Callable[[], Any]) -> None:
+        self.request_id, self.future, self._where, self._abort = request_id, future, where, abort
 
     def result(self, timeout: float | None = None) -> RequestResult:
         return self.future.result(timeout)
 
     @property
     def instance(self) -> str:
-        """Name of the engine (instance) serving this request."""
-        return self._engine.name
+        """Name of the instance serving this request now (it may move)."""
+        return self._where()
 
     def done(self) -> bool:
         return self.future.done()
 
     def abort(self) -> None:
-        self._engine.abort(self.request_id)
+        self._abort()
 
 
 class Engine:
@@ -90,91 +160,184 @@ class Engine:
         if runner.num_slots != scheduler.cfg.num_slots:
             raise ValueError(f"runner has {runner.num_slots} slots, scheduler {scheduler.cfg.num_slots}")
         self.runner, self.scheduler, self.clock, self.name = runner, scheduler, clock, name
-        self._ops: deque[tuple[str, object]] = deque()
-        self._cv = threading.Condition()
+        self.on_failure: FailureFn | None = None  # set by the cluster before start
+        self._cv = threading.Condition()  # the mailbox: ops, handles, snapshot, state
+        self._owner = threading.Lock()  # held by the loop except inside runner calls (see module doc)
+        self._ops: deque[tuple[str, Any]] = deque()
         self._handles: dict[str, tuple[Future, ProgressFn | None]] = {}
-        self._pending_work: dict[str, float] = {}  # submitted, not yet seen by the scheduler
-        self._snapshot = scheduler.snapshot(clock())
-        self._lat_scale = dict(scheduler.lat_scale)
+        self._pending: dict[str, float] = {}  # submitted, not yet scheduled: predicted seconds of work
+        self._hooks: tuple[StepHook, ...] = ()
         self._thread: threading.Thread | None = None
         self._stop = False
-        self._hooks: list[StepHook] = []
+        self._state = EngineState.CREATED
+        self._runner_call_since: float | None = None  # monotonic start of the runner call in progress
         self.error: BaseException | None = None
         self.steps = 0
+        self._snapshot = EngineSnapshot(name, self._state, scheduler.snapshot(clock()), (), 0, None)
 
     # --- thread-safe API ---
-    def submit(self, request: Request, on_progress: ProgressFn | None = None) -> RequestHandle:
-        fut: Future = Future()
-        est = self._own_time(request, self._snapshot)
+    def submit(self, request: Request, on_progress: ProgressFn | None = None, future: Future | None = None,
+               speed_ratio: float | None = None) -> RequestHandle:
+        """Queue a request (new, or moved here with its caller's `future`); applied between steps."""
+        fut = future if future is not None else Future()
+        work = own_time(self.snapshot().load, request)
         with self._cv:
-            if self.error is not None:
-                raise RuntimeError(f"engine {self.name} failed") from self.error
+            if self._state in (EngineState.STOPPED, EngineState.FAILED):
+                raise EngineUnavailable(f"instance {self.name} is {self._state.name.lower()}", self.error)
             if request.id in self._handles:
                 raise ValueError(f"duplicate request id {request.id!r}")
             self._handles[request.id] = (fut, on_progress)
-            self._pending_work[request.id] = est
-            self._ops.append(("add", request))
+            self._pending[request.id] = work
+            self._ops.append(("add", (request, speed_ratio)))
             self._cv.notify()
-        return RequestHandle(request.id, fut, self)
+        return RequestHandle(request.id, fut, lambda: self.name, lambda: self.abort(request.id))
 
     def abort(self, request_id: str) -> None:
         """Cancel; applied between steps (the slot is released at the next schedule)."""
-        with self._cv:
-            self._ops.append(("abort", request_id))
-            self._cv.notify()
+        self._post("abort", request_id)
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn()` on the engine thread between two steps; its result or exception comes back in
+        the future. How other threads reach the runner, scheduler or controller."""
+        fut: Future = Future()
+        self._post("call", (fn, fut))
+        return fut
+
+    def set_latency_model(self, latency) -> Future:
+        return self.call(lambda: self.scheduler.set_latency_model(latency))
+
+    def swap_weights(self, params) -> Future:
+        """Swap the runner's weights between two steps; running requests refresh at their next step
+        (their cached K/V came from the old weights). The future's result is the swap's clock time."""
+        def swap() -> float:
+            self.runner.reload(params)
+            self.scheduler.invalidate_caches()
+            return self.clock()
+        return self.call(swap)
 
     def add_step_hook(self, hook: StepHook) -> None:
-        """Called on the engine thread after every step (measurement, metrics)."""
-        self._hooks.append(hook)
+        """`hook(name, plan, outcomes, t0, t1)` runs on the engine thread after every step (from the
+        next iteration on). The hooks are an immutable tuple swapped whole, so the loop never sees
+        the collection change under it."""
+        with self._cv:
+            self._hooks = (*self._hooks, hook)
 
     def remove_step_hook(self, hook: StepHook) -> None:
-        self._hooks.remove(hook)
-
-    def snapshot(self) -> LoadSnapshot:
         with self._cv:
-            return self._snapshot
+            hooks = list(self._hooks)
+            hooks.remove(hook)
+            self._hooks = tuple(hooks)
 
-    def predict_finish(self, request: Request, now: float | None = None) -> float:
-        """Predicted finish of `request` if sent here now (queue + its own time at τ_max)."""
+    def hand_over(self, request_ids: Sequence[str] | None = None) -> Future:
+        """Take requests (default: all) off this instance at the next step boundary, unfinished;
+        the future's result is their `Handoff`s (for `submit(..., future=...)` elsewhere)."""
+        ids = None if request_ids is None else tuple(request_ids)
+        return self.call(lambda: self._detach(ids))
+
+    def snapshot(self) -> EngineSnapshot:
+        """The loop's latest published state, with the work submitted since (not yet scheduled)."""
         with self._cv:
-            snap, pending = self._snapshot, list(self._pending_work.values())
-        now = self.clock() if now is None else now
-        slots = [max(0.0, t - (now - snap.time)) for t in snap.running_left]
-        slots += [0.0] * (snap.num_slots - len(slots))
-        heapq.heapify(slots)
-        for w in [*snap.waiting_left, *pending]:  # FIFO approximation of the queue
-            heapq.heappush(slots, heapq.heappop(slots) + w)
-        return now + heapq.heappop(slots) + self._own_time(request, snap)
+            snap = self._snapshot
+            pending = tuple(self._pending.values())
+            return snap if pending == snap.pending else dataclasses.replace(snap, pending=pending)
 
-    def _own_time(self, req: Request, snap: LoadSnapshot) -> float:
-        sch = self.scheduler
-        batch = max(1, min(snap.num_slots, len(snap.running_left) + len(snap.waiting_left) + 1))
-        n_ref, n_reu = sch.controller.steps_needed(req, req.tau_max)
-        lat, tp = sch.latency, sch.cfg.tp
-        return (n_ref * lat.predict(StepKind.REFRESH, batch, req.canvas_length, req.block_length, tp)
-                * self._lat_scale[StepKind.REFRESH]
-                + n_reu * lat.predict(StepKind.REUSE, batch, req.canvas_length, req.block_length, tp)
-                * self._lat_scale[StepKind.REUSE])
+    @property
+    def state(self) -> EngineState:
+        with self._cv:
+            return self._state
+
+    @property
+    def healthy(self) -> bool:
+        return self.state in (EngineState.CREATED, EngineState.RUNNING)
+
+    # --- lifecycle ---
+    def start(self) -> "Engine":
+        with self._cv:
+            if self._thread is not None and self._thread.is_alive():
+                raise RuntimeError(f"engine {self.name} is already running")
+            if self._state in (EngineState.STOPPED, EngineState.FAILED):
+                raise RuntimeError(f"engine {self.name} is {self._state.name.lower()}; build a new one")
+            self._stop = False
+            self._state = EngineState.RUNNING
+            self._thread = threading.Thread(target=self._loop, name=f"engine-{self.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        """Stop the loop after its current iteration; requests still here fail with EngineUnavailable
+        (drain first). Raises TimeoutError if the loop does not stop within `timeout` — the engine
+        then stays unusable instead of risking two loops over one scheduler."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                raise TimeoutError(f"engine {self.name} did not stop within {timeout} s (a step is still running)")
+        with self._cv:
+            if self._state != EngineState.FAILED:
+                self._state = EngineState.STOPPED
+            handles, self._handles = self._handles, {}
+            ops, self._ops = list(self._ops), deque()
+            self._pending.clear()
+        err = EngineUnavailable(f"instance {self.name} stopped")
+        for fut, _ in handles.values():
+            _fail_future(fut, err)
+        for op, arg in ops:
+            if op == "call":
+                _fail_future(arg[1], err)
+        self._publish()
+
+    def fail(self, error: BaseException) -> bool:
+        """Mark the engine FAILED and hand its unfinished requests to `on_failure` (or fail them).
+        Safe from any thread; waits for the loop to be outside its bookkeeping. False if it had
+        already stopped or failed."""
+        with self._owner:
+            return self._fail_locked(error)
+
+    def check_hung(self, limit_s: float, now: float | None = None) -> bool:
+        """Watchdog: fail the engine if a runner call has been running longer than `limit_s`."""
+        since = self._runner_call_since
+        now = time.monotonic() if now is None else now
+        if since is None or now - since <= limit_s:
+            return False
+        return self.fail(HungStep(f"instance {self.name}: a runner call has run {now - since:.1f} s "
+                                  f"(watchdog limit {limit_s:g} s)"))
 
     # --- the loop ---
     def step_once(self) -> bool:
-        """One iteration on the calling thread; False when there was nothing to do."""
-        self._apply_ops()
-        sch, runner = self.scheduler, self.runner
-        plan = sch.schedule(self.clock())
-        self._resolve(sch.pop_finished())
-        if plan is None:
-            self._publish()
+        """One iteration on the calling thread; False when there was nothing to do. A fault fails
+        the instance (its requests move on; see `fail`) instead of escaping."""
+        try:
+            return self._iterate()
+        except Exception as e:  # noqa: BLE001
+            log.exception("instance %s failed", self.name)
+            self.fail(e)
             return False
-        for slot in plan.releases:
-            runner.release(slot)
-        for a in plan.admits:
-            runner.admit(a.slot, a.prompt_tokens, a.answer_length, a.block_length, temperature=a.temperature,
-                         seed=a.seed)
-        if plan.has_step:
-            t0 = self.clock()
-            outcomes = runner.step(plan.kind, plan.slots, plan.taus)
-            t1 = self.clock()
+
+    def _iterate(self) -> bool:
+        sch, runner = self.scheduler, self.runner
+        with self._owner:
+            if self._state == EngineState.FAILED:
+                return False
+            self._apply_ops()
+            plan = sch.schedule(self.clock())
+            self._resolve(sch.pop_finished())
+            if plan is None:
+                self._publish()
+                return False
+        self._runner_calls(lambda: self._prepare(plan))
+        if not plan.has_step:
+            with self._owner:
+                self._publish()
+            return True
+        t0 = self.clock()
+        outcomes = self._runner_calls(lambda: runner.step(plan.kind, plan.slots, plan.taus))
+        t1 = self.clock()
+        with self._owner:
+            if self._state == EngineState.FAILED:  # taken over while the step ran: not ours any more
+                return False
             answers = {o.slot: runner.answer(o.slot) for o in outcomes if o.request_finished}
             reqs = [sch.running[s] for s in plan.slots]
             sch.update(plan, outcomes, t1)
@@ -183,64 +346,149 @@ class Engine:
                 if o.slot in answers:
                     req.output_tokens = answers[o.slot]
                 self._progress(req, StepProgress(req.id, plan.kind, tau, o.positions, o.tokens, req.committed,
-                                                 req.answer_length, t1))
+                                                 req.answer_length, t1, self.name))
             for hook in self._hooks:
                 hook(self.name, plan, outcomes, t0, t1)
-        self._resolve(sch.pop_finished())
-        self._publish()
+            self._resolve(sch.pop_finished())
+            self._publish()
         return True
 
     def run_until_idle(self, max_iterations: int = 1_000_000) -> int:
         """Drive the loop on the calling thread until nothing is left (tests, simulation)."""
         for i in range(max_iterations):
-            if not self.step_once() and not self._ops:
-                return i
+            if not self.step_once():
+                with self._cv:
+                    if not self._ops or self._state == EngineState.FAILED:
+                        return i
         raise RuntimeError(f"engine {self.name} not idle after {max_iterations} iterations")
-
-    def start(self) -> "Engine":
-        if self._thread is not None:
-            raise RuntimeError("already started")
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name=f"engine-{self.name}", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float | None = 5.0) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
 
     def _loop(self) -> None:
         try:
-            while not self._stop:
+            while True:
+                with self._cv:
+                    if self._stop or self._state == EngineState.FAILED:
+                        return
                 if not self.step_once():
                     with self._cv:
-                        while not self._ops and not self._stop:
+                        while not self._ops and not self._stop and self._state != EngineState.FAILED:
                             self._cv.wait()
-        except BaseException as e:  # fail every caller instead of hanging them
-            log.exception("engine %s failed", self.name)
-            with self._cv:
-                self.error = e
-                handles, self._handles = self._handles, {}
-            for fut, _ in handles.values():
-                if not fut.done():
-                    fut.set_exception(e)
+        except BaseException as e:  # noqa: BLE001 - any fault: the instance fails, its requests move
+            log.exception("instance %s failed", self.name)
+            self.fail(e)
 
-    # --- internals ---
+    # --- internals (engine thread, `_owner` held unless noted) ---
+    def _runner_calls(self, fn: Callable[[], Any]) -> Any:
+        """Run runner work outside `_owner`, timed for the watchdog."""
+        self._runner_call_since = time.monotonic()
+        try:
+            return fn()
+        finally:
+            self._runner_call_since = None
+
+    def _prepare(self, plan: StepPlan) -> None:
+        for slot in plan.releases:
+            self.runner.release(slot)
+        for a in plan.admits:
+            if a.committed is None and a.steps_done == 0:
+                self.runner.admit(a.slot, a.prompt_tokens, a.answer_length, a.block_length,
+                                  temperature=a.temperature, seed=a.seed)
+            else:
+                self.runner.admit(a.slot, a.prompt_tokens, a.answer_length, a.block_length,
+                                  temperature=a.temperature, seed=a.seed, committed=a.committed,
+                                  steps_done=a.steps_done)
+
+    def _post(self, op: str, arg: Any) -> None:
+        with self._cv:
+            self._ops.append((op, arg))
+            self._cv.notify()
+
     def _apply_ops(self) -> None:
         with self._cv:
             ops, self._ops = list(self._ops), deque()
         now = self.clock()
         for op, arg in ops:
             if op == "add":
-                self.scheduler.add(arg, now)
+                req, ratio = arg
                 with self._cv:
-                    self._pending_work.pop(arg.id, None)
-            else:
+                    self._pending.pop(req.id, None)
+                self.scheduler.add(req, now, ratio)
+            elif op == "abort":
                 self.scheduler.abort(arg)
+            else:
+                fn, fut = arg
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as e:  # noqa: BLE001 - handed to the caller
+                        fut.set_exception(e)
+
+    def _detach(self, ids: tuple[str, ...] | None) -> list[Handoff]:
+        sch, now = self.scheduler, self.clock()
+        wanted = list(sch.requests) if ids is None else [i for i in ids if i in sch.requests]
+        out = []
+        for rid in wanted:
+            req, ratio = sch.detach(rid, now)
+            with self._cv:
+                fut, cb = self._handles.pop(rid)
+            out.append(Handoff(req, fut, cb, ratio))
+        self._publish()
+        return out
+
+    def _fail_locked(self, error: BaseException) -> bool:
+        with self._cv:
+            if self._state in (EngineState.FAILED, EngineState.STOPPED):
+                return False
+            self._state = EngineState.FAILED
+            self.error = error
+            self._snapshot = dataclasses.replace(self._snapshot, state=self._state, error=_describe(error))
+            ops, self._ops = list(self._ops), deque()
+            self._pending.clear()
+            self._cv.notify_all()
+        log.error("instance %s failed: %s: %s", self.name, type(error).__name__, error)
+        sch, now = self.scheduler, self.clock()
+        aborted = {arg for op, arg in ops if op == "abort"}
+        moving: list[Request] = []
+        for op, arg in ops:
+            if op == "add":
+                moving.append(arg[0])
+            elif op == "call":
+                _fail_future(arg[1], EngineUnavailable(f"instance {self.name} failed", error))
+        ratios: dict[str, float | None] = {}
+        for rid, req in list(sch.requests.items()):
+            try:
+                _, ratios[rid] = sch.detach(rid, now)
+            except Exception:  # noqa: BLE001 - a broken scheduler must not keep requests hostage
+                log.exception("detaching %s from failed instance %s", rid, self.name)
+                sch.requests.pop(rid, None)
+                if not req.finished:
+                    req.slot = None
+                    req.detach(now)
+            if not req.finished:
+                moving.append(req)
+        self._resolve(sch.pop_finished())
+        handoffs, doomed = [], []
+        with self._cv:
+            for req in moving:
+                fut, cb = self._handles.pop(req.id, (None, None))
+                if fut is None:
+                    continue
+                if req.id in aborted:
+                    doomed.append((req, fut))
+                else:
+                    handoffs.append(Handoff(req, fut, cb, ratios.get(req.id)))
+            leftovers, self._handles = self._handles, {}
+        for req, fut in doomed:
+            req.transition(RequestState.FINISHED_ABORTED, now)
+            _set_result(fut, RequestResult.of(req, self.name))
+        for fut, _ in leftovers.values():
+            _fail_future(fut, EngineUnavailable(f"instance {self.name} failed", error))
+        self._publish()
+        if self.on_failure is not None:
+            self.on_failure(self, handoffs, error)
+        else:
+            for h in handoffs:
+                _fail_future(h.future, EngineUnavailable(f"instance {self.name} failed: {error}", error))
+        return True
 
     def _progress(self, req: Request, p: StepProgress) -> None:
         with self._cv:
@@ -255,14 +503,35 @@ class Engine:
         for r in finished:
             with self._cv:
                 fut, _ = self._handles.pop(r.id, (None, None))
-            if fut is not None and not fut.done():
-                fut.set_result(RequestResult.of(r))
+            if fut is not None:
+                _set_result(fut, RequestResult.of(r, self.name))
 
     def _publish(self) -> None:
-        snap = self.scheduler.snapshot(self.clock())
+        load = self.scheduler.snapshot(self.clock())
         with self._cv:
-            self._snapshot = snap
-            self._lat_scale = dict(self.scheduler.lat_scale)
+            err = None if self.error is None else _describe(self.error)
+            self._snapshot = EngineSnapshot(self.name, self._state, load, tuple(self._pending.values()),
+                                            self.steps, err)
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _set_result(fut: Future, value) -> None:
+    if not fut.done():
+        try:
+            fut.set_result(value)
+        except Exception:  # noqa: BLE001 - resolved concurrently (cancelled)
+            pass
+
+
+def _fail_future(fut: Future, err: BaseException) -> None:
+    if not fut.done():
+        try:
+            fut.set_exception(err)
+        except Exception:  # noqa: BLE001
+            pass
 
 
 class StepTimeline:

@@ -4,7 +4,8 @@ Tokens committed per step depend on τ and a per-request difficulty (lower τ �
 → fewer), through a deterministic accumulator so runs are reproducible. Each step advances a
 `FakeClock` by a step time that, like the real steps, makes a refresh several times a reuse and
 grows with batch and canvas length; or, with `real_sleep`, really sleeps that long (to measure
-thread overlap).
+thread overlap). `confidence(prompt)` gives the confidence histogram every step reports for the
+slot (the threshold controller's risk evidence); by default none is reported.
 """
 from __future__ import annotations
 
@@ -36,6 +37,22 @@ def fake_profile(step_time: StepTimeFn = default_step_time, batches: Sequence[in
     pts = tuple(ProfilePoint(k, b, l, blk, tp, step_time(k, b, l, blk))
                 for k in StepKind for b in batches for l in canvases for blk in blocks if blk < l)
     return Profile("synthetic profile of the fake runner (not measured)", True, "fake", "fake", pts)
+
+
+def tp_step_time(tp: int, serial: float = 0.25, comm_s: float = 2e-4,
+                 base: StepTimeFn = default_step_time) -> StepTimeFn:
+    """A synthetic TP-`tp` step time: the parallel part of `base` divided by tp, a serial share
+    that is not, plus an all-reduce cost when tp > 1 — wide instances finish one request sooner,
+    many narrow ones serve more in all (the trade-off the cluster controller manages)."""
+    def step_time(kind: StepKind, batch: int, canvas: int, block: int) -> float:
+        return base(kind, batch, canvas, block) * (serial + (1 - serial) / tp) + (comm_s if tp > 1 else 0.0)
+    return step_time
+
+
+def fake_tp_profile(tps: Sequence[int] = (1, 2, 4, 8), **kw) -> Profile:
+    """`fake_profile` for several TP degrees (synthetic, labelled so; see `tp_step_time`)."""
+    pts = tuple(p for tp in tps for p in fake_profile(tp_step_time(tp, **kw), tp=tp).points)
+    return Profile("synthetic multi-TP profile of the fake runner (not measured)", True, "fake", "fake", pts)
 
 
 class FakeClock:
@@ -84,22 +101,37 @@ class FakeRunner:
     def __init__(self, num_slots: int, clock: FakeClock | None = None, tp_degree: int = 1,
                  step_time: StepTimeFn = default_step_time,
                  difficulty: Callable[[Sequence[int]], float] = lambda prompt: 1.0,
-                 real_sleep: bool = False) -> None:
+                 real_sleep: bool = False,
+                 confidence: Callable[[Sequence[int]], Sequence[int]] | None = None) -> None:
         if num_slots < 1:
             raise ValueError("num_slots must be >= 1")
         self.num_slots, self.tp_degree = num_slots, tp_degree
         self.clock = clock if clock is not None else FakeClock()
         self.step_time, self.difficulty, self.real_sleep = step_time, difficulty, real_sleep
+        self.confidence = confidence
         self.slots: dict[int, _Slot] = {}
         self.steps_run: list[tuple[StepKind, tuple[int, ...], tuple[float, ...]]] = []
+        self.weights = 0  # "weights": token values depend on it, so a reload changes answers
 
     def admit(self, slot: int, prompt_tokens: Sequence[int], answer_length: int, block_length: int, *,
-              temperature: float = 0.0, seed: int = 0) -> None:
+              temperature: float = 0.0, seed: int = 0, committed: Sequence[int | None] | None = None,
+              steps_done: int = 0) -> None:
         if not 0 <= slot < self.num_slots or slot in self.slots:
             raise ValueError(f"slot {slot} is out of range or occupied")
         prompt = tuple(prompt_tokens)
-        self.slots[slot] = _Slot(prompt, answer_length, block_length, float(self.difficulty(prompt)),
-                                 [None] * answer_length)
+        st = _Slot(prompt, answer_length, block_length, float(self.difficulty(prompt)), [None] * answer_length)
+        if committed is not None:  # resume: commits are in position order, so a prefix is filled
+            if len(committed) != answer_length:
+                raise ValueError(f"committed has {len(committed)} positions, answer_length {answer_length}")
+            st.committed = next((i for i, t in enumerate(committed) if t is None), answer_length)
+            st.tokens[:st.committed] = committed[:st.committed]
+        self.slots[slot] = st
+
+    def reload(self, params) -> None:
+        """New "weights": later tokens change; every slot's next step must refresh (as the real runner)."""
+        self.weights = int(params)
+        for st in self.slots.values():
+            st.needs_refresh = True
 
     def release(self, slot: int) -> None:
         if self.slots.pop(slot, None) is None:
@@ -132,14 +164,15 @@ class FakeRunner:
         st.credit -= n
         n = min(n, block_end - st.committed)
         positions = tuple(range(st.committed, st.committed + n))
-        tokens = tuple(10 + (sum(st.prompt) * 31 + p * 7) % 1000 for p in positions)
+        tokens = tuple(10 + (sum(st.prompt) * 31 + p * 7 + self.weights * 13) % 1000 for p in positions)
         for p, t in zip(positions, tokens):
             st.tokens[p] = t
         st.committed += n
         block_finished = st.committed == block_end
         st.needs_refresh = block_finished
+        counts = tuple(self.confidence(st.prompt)) if self.confidence is not None else ()
         return SlotOutcome(slot, positions, tokens, n, min(1.0, tau + 0.05), block_finished,
-                           st.committed >= st.answer_length)
+                           st.committed >= st.answer_length, counts)
 
     def answer(self, slot: int) -> list[int]:
         st = self.slots[slot]

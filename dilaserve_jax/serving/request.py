@@ -3,7 +3,8 @@
 States:
   WAITING            queued, no slot yet.
   RUNNING            holds a runner slot and is being denoised.
-  MIGRATING          reserved: between instances at a step boundary (its next step is a refresh).
+  MIGRATING          between instances at a step boundary (migration, failure, reconfiguration):
+                     it holds no slot, carries its committed canvas, and its next step is a refresh.
   FINISHED_OK        every answer token (up to EOS) committed; may still have missed its deadline
                      (see `deadline_met`).
   FINISHED_ABORTED   cancelled by the caller.
@@ -38,6 +39,7 @@ class RequestState(IntEnum):
 _S = RequestState
 _LEGAL: dict[RequestState, frozenset[RequestState]] = {
     _S.WAITING: frozenset({_S.RUNNING, _S.FINISHED_ABORTED, _S.FINISHED_REJECTED, _S.FINISHED_DEADLINE}),
+    # (a WAITING request that moves stays WAITING: it has nothing but its place in a queue)
     _S.RUNNING: frozenset({_S.MIGRATING, _S.FINISHED_OK, _S.FINISHED_ABORTED, _S.FINISHED_DEADLINE}),
     _S.MIGRATING: frozenset({_S.RUNNING, _S.FINISHED_ABORTED, _S.FINISHED_DEADLINE}),
     _S.FINISHED_OK: frozenset(),
@@ -74,6 +76,7 @@ class Request:
     tau_max: float = 1.0
     temperature: float = 0.0  # 0: greedy proposals
     seed: int = 0  # sampling seed when temperature > 0
+    max_accuracy_drop: float | None = None  # own bound on its predicted loss (points); None: the server's budget
     # --- mutable run-time record ---
     state: RequestState = RequestState.WAITING
     slot: int | None = None
@@ -88,6 +91,10 @@ class Request:
     reject_reason: str | None = None
     output_tokens: list[int] | None = None
     steps: list[StepRecord] = field(default_factory=list)
+    answer: list[int | None] = field(default_factory=list)  # committed answer tokens by position
+    moves: int = 0  # times it changed instance (migration, failure, reconfiguration)
+    evidence: tuple[int, ...] = ()  # first step's masked positions per confidence bin (risk evidence)
+    predicted_loss: float = 0.0  # accuracy points its τ trajectory is predicted to have cost
 
     def __post_init__(self) -> None:
         self.prompt_tokens = tuple(int(t) for t in self.prompt_tokens)
@@ -103,6 +110,10 @@ class Request:
             raise ValueError("temperature must be >= 0")
         if self.deadline < self.arrival:
             raise ValueError("deadline precedes arrival")
+        if not self.answer:
+            self.answer = [None] * self.answer_length
+        if self.max_accuracy_drop is not None and not (0 <= self.max_accuracy_drop < math.inf):
+            raise ValueError(f"max_accuracy_drop must be a finite number of points >= 0, got {self.max_accuracy_drop}")
 
     # --- state machine ---
     def transition(self, new: RequestState, now: float) -> None:
@@ -129,10 +140,15 @@ class Request:
 
     # --- progress ---
     def record_step(self, kind: StepKind, tau: float, n_committed: int, block_finished: bool,
-                    now: float, duration: float) -> None:
+                    now: float, duration: float, positions: Sequence[int] = (), tokens: Sequence[int] = ()) -> None:
+        """Apply one step's result; `positions` (answer-relative) and `tokens` are what it committed,
+        kept on the host so the request can move to another instance with its canvas."""
         if self.state != RequestState.RUNNING:
             raise IllegalTransition(f"request {self.id} stepped while {self.state.name}")
         self.steps.append(StepRecord(kind, tau, n_committed, now, duration))
+        for p, t in zip(positions, tokens):
+            if 0 <= p < self.answer_length:
+                self.answer[p] = int(t)
         self.committed = min(self.answer_length, self.committed + n_committed)
         self.block_committed += n_committed
         if block_finished or self.block_committed >= self.block_length:
@@ -141,6 +157,24 @@ class Request:
             self.needs_refresh = True
         else:
             self.needs_refresh = False
+
+    def detach(self, now: float) -> None:
+        """Leave the instance at a step boundary: RUNNING -> MIGRATING (WAITING stays WAITING).
+        The destination admits it with its committed canvas; its next step is a refresh."""
+        if self.state == RequestState.RUNNING:
+            self.transition(RequestState.MIGRATING, now)
+        elif self.state not in (RequestState.WAITING, RequestState.MIGRATING):
+            raise IllegalTransition(f"request {self.id} cannot move while {self.state.name}")
+        self.slot = None
+        self.needs_refresh = True
+        self.at_risk = False
+        self.steps_skipped = 0
+        self.moves += 1
+
+    @property
+    def committed_answer(self) -> tuple[int | None, ...] | None:
+        """The committed canvas to re-admit with (None when nothing is committed yet)."""
+        return tuple(self.answer) if self.committed else None
 
     @property
     def next_kind(self) -> StepKind:
@@ -178,7 +212,20 @@ class Request:
             "id": self.id, "state": self.state.name, "arrival": self.arrival, "deadline": self.deadline,
             "start": self.start_time, "finish": self.finish_time, "deadline_met": self.deadline_met,
             "steps": len(self.steps), "mean_tau": self.mean_tau(), "reject_reason": self.reject_reason,
+            "taus": [s.tau for s in self.steps], "predicted_loss": self.predicted_loss,
         }
+
+
+def steps_left(req: Request, tokens_per_step: float) -> tuple[int, int]:
+    """(refresh steps, reuse steps) to finish at `tokens_per_step` (>= 1) committed per step."""
+    if req.blocks_left == 0:
+        return 0, 0
+    tps = max(1.0, tokens_per_step)
+    first = max(1, math.ceil(req.masked_in_block / tps))
+    per_block = max(1, math.ceil(req.block_length / tps))
+    full = req.blocks_left - 1
+    n_refresh = full + (1 if req.needs_refresh else 0)
+    return n_refresh, first + full * per_block - n_refresh
 
 
 def make_request(id: str, prompt_tokens: Sequence[int], answer_length: int, block_length: int,

@@ -1,63 +1,44 @@
-"""Routes each new request to the instance (Engine) with the earliest predicted finish.
+"""Placement: each request goes to the healthy instance with the earliest predicted finish.
 
-The prediction (Engine.predict_finish) combines the instance's published load snapshot (predicted
-time left of its running and queued requests), requests submitted but not yet scheduled, and the new
-request's own time at τ_max from that instance's latency model and TP degree — so a wide (high-TP)
-instance wins at low load and the least-loaded narrow one wins at high load.
+The prediction reads only an instance's published `EngineSnapshot`: the predicted time left of
+its running and queued requests, the work submitted but not yet scheduled, and the new request's
+own time at τ_max from that instance's latency model and TP degree — so a wide (high-TP) instance
+wins at low load and the least-loaded narrow one at high load. Failed or stopped instances are
+never chosen. Pure Python over snapshots (the simulator reuses it).
 """
 from __future__ import annotations
 
-import threading
+import heapq
 from typing import Sequence
 
-from dilaserve_jax.serving.engine import Engine, ProgressFn, RequestHandle
+from dilaserve_jax.serving.engine import EngineSnapshot, own_time
 from dilaserve_jax.serving.request import Request
 
 
+class NoInstanceAvailable(RuntimeError):
+    """Every instance has failed or stopped."""
+
+
+def predict_finish(snap: EngineSnapshot, request: Request, now: float) -> float:
+    """Predicted finish of `request` if sent to this instance now (queue + its own time at τ_max)."""
+    load = snap.load
+    slots = [max(0.0, t - (now - load.time)) for t in load.running_left]
+    slots += [0.0] * max(0, load.num_slots - len(slots))
+    heapq.heapify(slots)
+    for w in (*load.waiting_left, *snap.pending):  # FIFO approximation of the queue
+        heapq.heappush(slots, heapq.heappop(slots) + w)
+    return now + heapq.heappop(slots) + own_time(load, request)
+
+
 class Router:
-    def __init__(self, engines: Sequence[Engine]) -> None:
-        if not engines:
-            raise ValueError("router needs at least one engine")
-        names = [e.name for e in engines]
-        if len(set(names)) != len(names):
-            raise ValueError(f"engine names must be unique: {names}")
-        self.engines = list(engines)
-        self._where: dict[str, Engine] = {}
-        self._lock = threading.Lock()  # one routing decision at a time, so bursts spread out
+    """Chooses among instances by their snapshots; keeps no state of its own."""
 
-    def choose(self, request: Request) -> Engine:
-        return min(self.engines, key=lambda e: e.predict_finish(request))
-
-    def submit(self, request: Request, on_progress: ProgressFn | None = None) -> RequestHandle:
-        with self._lock:
-            engine = self.choose(request)
-            handle = engine.submit(request, on_progress)
-            self._where[request.id] = engine
-        handle.future.add_done_callback(lambda _f, rid=request.id: self._forget(rid))
-        return handle
-
-    def abort(self, request_id: str) -> bool:
-        with self._lock:
-            engine = self._where.get(request_id)
-        if engine is None:
-            return False
-        engine.abort(request_id)
-        return True
-
-    def instance_of(self, request_id: str) -> str | None:
-        with self._lock:
-            e = self._where.get(request_id)
-        return e.name if e else None
-
-    def _forget(self, request_id: str) -> None:
-        with self._lock:
-            self._where.pop(request_id, None)
-
-    def start(self) -> "Router":
-        for e in self.engines:
-            e.start()
-        return self
-
-    def stop(self) -> None:
-        for e in self.engines:
-            e.stop()
+    def choose(self, snapshots: Sequence[EngineSnapshot], request: Request, now: float,
+               exclude: frozenset[str] = frozenset()) -> str:
+        """Name of the instance to send `request` to."""
+        healthy = [s for s in snapshots if s.healthy and s.name not in exclude]
+        if not healthy:
+            down = "; ".join(f"{s.name}: " + ("unavailable" if s.healthy else s.state.name.lower())
+                             + (f" ({s.error})" if s.error else "") for s in snapshots)
+            raise NoInstanceAvailable(f"no instance is serving ({down or 'none configured'})")
+        return min(healthy, key=lambda s: predict_finish(s, request, now)).name

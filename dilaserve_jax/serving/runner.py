@@ -43,13 +43,15 @@ class JaxRunner:
     def warm_up_seconds(self) -> float:
         return self.decoder.warm_up_seconds
 
-    def warm_up(self, progress: bool | None = None) -> float:
+    def warm_up(self, progress: bool | None = None, label: str = "") -> float:
         """Compile every step shape now (when constructed with warm_up=False); returns seconds."""
-        return self.decoder.warm_up(progress)
+        return self.decoder.warm_up(progress, label)
 
     def admit(self, slot: int, prompt_tokens: Sequence[int], answer_length: int, block_length: int, *,
-              temperature: float = 0.0, seed: int = 0) -> None:
-        self.decoder.admit(slot, prompt_tokens, answer_length, block_length, temperature=temperature, seed=seed)
+              temperature: float = 0.0, seed: int = 0, committed: Sequence[int | None] | None = None,
+              steps_done: int = 0) -> None:
+        self.decoder.admit(slot, prompt_tokens, answer_length, block_length, temperature=temperature, seed=seed,
+                           committed=committed, steps_done=steps_done)
 
     def release(self, slot: int) -> None:
         self.decoder.release(slot)
@@ -57,7 +59,7 @@ class JaxRunner:
     def step(self, kind: StepKind, slots: Sequence[int], taus: Sequence[float]) -> list[SlotOutcome]:
         results = self.decoder.step(StepKind(kind) == StepKind.REFRESH, slots, taus)
         return [SlotOutcome(r.slot, r.positions, r.tokens, r.n_committed, r.max_confidence, r.block_finished,
-                            r.request_finished) for r in results]
+                            r.request_finished, r.confidence_counts) for r in results]
 
     def answer(self, slot: int) -> list[int]:
         return self.decoder.answer(slot)

@@ -9,7 +9,8 @@ Policies (same interface):
   fcfs-static  arrival order, admit whenever a slot is free, batch every ready request of the kind
                the oldest request needs, fixed τ (0.9): how DLMs are served today.
   edf-static   the same in deadline order.
-  dilaserve    least slack first; τ per request per step and load control from `threshold.py`;
+  dilaserve    least slack first; τ per request per step and load control from `threshold.py`
+               (within the accuracy-loss budget when the threshold config carries one);
                a batch (and the set of running requests) grows only while every request in it
                still meets its deadline at the larger step time; at-risk requests run only on
                spare capacity; hopeless requests are rejected at admission.
@@ -18,10 +19,12 @@ goes first, whatever its deadline or risk.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from dilaserve_jax.serving.latency import LatencyModel
-from dilaserve_jax.serving.request import Request, RequestState
+from dilaserve_jax.serving.quality import QualitySnapshot
+from dilaserve_jax.serving.request import Request, RequestState, steps_left
 from dilaserve_jax.serving.threshold import Decision, ThresholdConfig, ThresholdController
 from dilaserve_jax.serving.types import Admission, SlotOutcome, StepKind, StepPlan
 
@@ -72,6 +75,59 @@ class AddResult:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestEstimator:
+    """A request's own time on one instance, from the instance's latency model, its online
+    latency correction and its τ -> tokens/step estimate as they stood when published. Immutable,
+    so any thread (a router) can use it while the instance's loop moves on."""
+
+    latency: LatencyModel
+    tp: int
+    refresh_scale: float
+    reuse_scale: float
+    taus: tuple[float, ...]  # ascending
+    rates: tuple[float, ...]  # tokens per step at each τ (non-increasing in τ)
+
+    def tokens_per_step(self, tau: float) -> float:
+        i = bisect.bisect_left(self.taus, tau)
+        if i == 0:
+            return self.rates[0]
+        if i == len(self.taus):
+            return self.rates[-1]
+        t0, t1, r0, r1 = self.taus[i - 1], self.taus[i], self.rates[i - 1], self.rates[i]
+        return r0 + (r1 - r0) * (tau - t0) / (t1 - t0)
+
+    def own_time(self, req: Request, batch: int, tau: float | None = None) -> float:
+        """Seconds to finish `req` at τ (default its τ_max) in batches of `batch`."""
+        n_ref, n_reu = steps_left(req, self.tokens_per_step(req.tau_max if tau is None else tau))
+        lat, canvas, block = self.latency, req.canvas_length, req.block_length
+        return (n_ref * lat.predict(StepKind.REFRESH, batch, canvas, block, self.tp) * self.refresh_scale
+                + n_reu * lat.predict(StepKind.REUSE, batch, canvas, block, self.tp) * self.reuse_scale)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """An immutable copy of what a controller needs of a request elsewhere: to estimate its time on
+    another instance (where its next step is a refresh) and whether it would meet its deadline."""
+
+    id: str
+    deadline: float
+    canvas_length: int
+    block_length: int
+    blocks_left: int
+    masked_in_block: int
+    tau_min: float
+    tau_max: float
+    running: bool
+    moves: int
+    needs_refresh: bool = True
+
+    @classmethod
+    def of(cls, r: Request) -> "RequestView":
+        return cls(r.id, r.deadline, r.canvas_length, r.block_length, r.blocks_left, r.masked_in_block, r.tau_min,
+                   r.tau_max, r.slot is not None, r.moves)
+
+
+@dataclass(frozen=True, slots=True)
 class LoadSnapshot:
     """What a router needs to predict a new request's finish on this instance (immutable)."""
 
@@ -80,6 +136,10 @@ class LoadSnapshot:
     tp: int
     running_left: tuple[float, ...]  # predicted seconds to finish, running requests
     waiting_left: tuple[float, ...]  # predicted seconds of work, queued requests
+    estimator: RequestEstimator | None = None
+    deadlines: tuple[float, ...] = ()  # of every request here, running and queued
+    at_risk: tuple[RequestView, ...] = ()  # requests that cannot meet their deadline here even at τ_min
+    quality: QualitySnapshot | None = None  # accuracy-loss budget accounting
 
 
 class Scheduler:
@@ -117,12 +177,21 @@ class Scheduler:
         return self.controller.feasible_at(req, now, batch, self.step_time)
 
     # --- requests in ---
-    def add(self, req: Request, now: float | None = None) -> AddResult:
+    def add(self, req: Request, now: float | None = None, speed_ratio: float | None = None) -> AddResult:
+        """Queue a new request (admission control may reject it), or take over one that moved here
+        from another instance (always accepted: it was admitted once; `speed_ratio` carries its
+        tokens-per-step ratio from there)."""
         now = req.arrival if now is None else now
         if req.id in self.requests:
             raise ValueError(f"duplicate request id {req.id!r}")
-        if req.state != RequestState.WAITING:
-            raise ValueError(f"request {req.id} is {req.state.name}, expected WAITING")
+        if req.state not in (RequestState.WAITING, RequestState.MIGRATING):
+            raise ValueError(f"request {req.id} is {req.state.name}, expected WAITING or MIGRATING")
+        if req.moves:
+            if speed_ratio is not None:
+                self.controller.ratios[req.id] = speed_ratio
+            self.requests[req.id] = req
+            self.waiting.append(req)
+            return AddResult(True)
         reason = None
         if len(self.waiting) >= self.cfg.max_queue:
             reason = f"queue full ({len(self.waiting)} waiting, max_queue={self.cfg.max_queue})"
@@ -140,6 +209,27 @@ class Scheduler:
         self.requests[req.id] = req
         self.waiting.append(req)
         return AddResult(True)
+
+    def detach(self, req_id: str, now: float) -> tuple[Request, float | None]:
+        """Take a request off this instance at a step boundary, unfinished (to move it elsewhere):
+        its slot is released with the next plan. Returns it and its tokens-per-step ratio."""
+        req = self.requests.pop(req_id)
+        if req.slot is None:
+            self.waiting.remove(req)
+        elif self.running.get(req.slot) is req:
+            self._free_slot(req.slot)
+        if req_id in self._aborts:
+            self._aborts.remove(req_id)
+        ratio = self.controller.ratios.get(req_id)
+        self.decisions.pop(req_id, None)
+        self.controller.forget(req_id)
+        req.detach(now)
+        return req, ratio
+
+    def invalidate_caches(self) -> None:
+        """After new weights: every running request's cached K/V is stale, so its next step refreshes."""
+        for r in self.running.values():
+            r.needs_refresh = True
 
     def abort(self, req_id: str) -> bool:
         """Mark for abort; applied (slot released) at the next `schedule`."""
@@ -219,7 +309,7 @@ class Scheduler:
             w.slot, w.needs_refresh, w.steps_skipped = slot, True, 0
             self.running[slot] = w
             admits.append(Admission(slot, w.id, w.prompt_tokens, w.answer_length, w.block_length,
-                                    w.temperature, w.seed))
+                                    w.temperature, w.seed, w.committed_answer, len(w.steps)))
         for w in self.waiting:  # passed over while a slot was free: counts towards starvation
             w.steps_skipped += 1
         return tuple(admits)
@@ -252,8 +342,9 @@ class Scheduler:
             req = self.running.get(o.slot)
             if req is None or req.id != rid:
                 raise ValueError(f"outcome for slot {o.slot} does not match plan request {rid}")
-            req.record_step(plan.kind, tau, o.n_committed, o.block_finished, now, duration)
-            self.controller.observe(req, tau, o.n_committed, o.block_finished or o.request_finished)
+            req.record_step(plan.kind, tau, o.n_committed, o.block_finished, now, duration, o.positions, o.tokens)
+            self.controller.observe(req, tau, o.n_committed, o.block_finished or o.request_finished,
+                                    confidence_counts=o.confidence_counts, max_confidence=o.max_confidence)
             if o.request_finished:
                 self._finish(req, RequestState.FINISHED_OK, now)
                 done.append(req)
@@ -271,18 +362,21 @@ class Scheduler:
             self.lat_scale[plan.kind] += a * (ratio - self.lat_scale[plan.kind])
 
     def _finish(self, req: Request, state: RequestState, now: float) -> None:
-        if req.state == RequestState.WAITING:
+        if req.slot is None:
             self.waiting.remove(req)
-        elif req.slot is not None and self.running.get(req.slot) is req:
-            del self.running[req.slot]
-            self.free_slots.append(req.slot)
-            self.free_slots.sort()
-            self._releases.append(req.slot)
+        elif self.running.get(req.slot) is req:
+            self._free_slot(req.slot)
         req.transition(state, now)
         self.requests.pop(req.id, None)
         self.decisions.pop(req.id, None)
-        self.controller.forget(req.id)
+        self.controller.forget(req.id, req.predicted_loss if state == RequestState.FINISHED_OK else None)
         self._finished.append(req)
+
+    def _free_slot(self, slot: int) -> None:
+        del self.running[slot]
+        self.free_slots.append(slot)
+        self.free_slots.sort()
+        self._releases.append(slot)
 
     # --- introspection ---
     def pop_finished(self) -> list[Request]:
@@ -294,6 +388,10 @@ class Scheduler:
     def idle(self) -> bool:
         return not (self.running or self.waiting or self._aborts or self._releases)
 
+    def quality(self) -> QualitySnapshot | None:
+        """Budget, predicted loss spent and mean τ (None without an accuracy model)."""
+        return self.controller.quality_snapshot()
+
     def request_time(self, req: Request, batch: int, tau: float | None = None) -> float:
         return self.controller.remaining_time(req, req.tau_max if tau is None else tau, batch, self.step_time)
 
@@ -303,5 +401,13 @@ class Scheduler:
         def left(r: Request) -> float:
             d = self.decisions.get(r.id)
             return self.request_time(r, b, d.tau if d else self._tau(r))
+        reqs = [*self.running.values(), *self.waiting]
         return LoadSnapshot(now, self.cfg.num_slots, self.cfg.tp, tuple(left(r) for r in self.running.values()),
-                            tuple(left(r) for r in self.waiting))
+                            tuple(left(r) for r in self.waiting), self.estimator(), tuple(r.deadline for r in reqs),
+                            tuple(RequestView.of(r) for r in reqs if r.at_risk), self.quality())
+
+    def estimator(self) -> RequestEstimator:
+        taus = tuple(sorted(set(self.controller.cfg.grid)))
+        return RequestEstimator(self.latency, self.cfg.tp, self.lat_scale[StepKind.REFRESH],
+                                self.lat_scale[StepKind.REUSE], taus,
+                                tuple(self.controller.tps.rate(t) for t in taus))

@@ -21,7 +21,10 @@ class StepKind(IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class SlotOutcome:
-    """What one step did to one slot: the positions (answer-relative) committed, their tokens."""
+    """What one step did to one slot: the positions (answer-relative) committed, their tokens.
+
+    confidence_counts: the block's masked positions (before this step's commits) per confidence bin,
+    bins uniform over [0, 1]; empty when the runner does not report it."""
 
     slot: int
     positions: tuple[int, ...]
@@ -30,6 +33,7 @@ class SlotOutcome:
     max_confidence: float
     block_finished: bool
     request_finished: bool
+    confidence_counts: tuple[int, ...] = ()
 
 
 @runtime_checkable
@@ -38,8 +42,13 @@ class Runner(Protocol):
     tp_degree: int
 
     def admit(self, slot: int, prompt_tokens: Sequence[int], answer_length: int, block_length: int, *,
-              temperature: float = 0.0, seed: int = 0) -> None:
-        """Place a fresh canvas in `slot`; that slot's next step must be REFRESH."""
+              temperature: float = 0.0, seed: int = 0, committed: Sequence[int | None] | None = None,
+              steps_done: int = 0) -> None:
+        """Place a canvas in `slot`; that slot's next step must be REFRESH.
+
+        A request resuming on this instance (migration, failure) passes `committed`, its answer
+        tokens by position (None = still masked; blocks before the first masked one are complete),
+        and `steps_done`, the steps it took elsewhere (sampling keys continue from there)."""
 
     def release(self, slot: int) -> None:
         """Forget the slot's request; the slot may be admitted into again."""
@@ -60,6 +69,8 @@ class Admission:
     block_length: int
     temperature: float = 0.0
     seed: int = 0
+    committed: tuple[int | None, ...] | None = None  # a resuming request's canvas (see Runner.admit)
+    steps_done: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from dilaserve_jax.frontend.client import DiLaServeClient
 from dilaserve_jax.frontend.server import ServerOptions, start_server
 from dilaserve_jax.frontend.validation import Limits
 from dilaserve_jax.models import CharTokenizer
-from dilaserve_jax.serving.cluster import Cluster, InstanceInfo
+from dilaserve_jax.serving.cluster import Cluster, InstanceInfo, NewWeights
 from dilaserve_jax.serving.engine import Engine
 from dilaserve_jax.serving.fake_runner import FakeRunner, fake_profile
 from dilaserve_jax.serving.latency import LatencyModel
@@ -60,20 +60,30 @@ class CharFakeRunner(FakeRunner):
                          out.block_finished, out.request_finished)
 
 
-def fake_cluster(instances=2, slots=4, max_queue=64, step_scale=1.0, policy="dilaserve"):
+def fake_loader(names, delay_s=0.0):
+    """Reload for fake runners: the "weights" are a number derived from the source."""
+    def load(source, step):
+        time.sleep(delay_s)
+        return NewWeights(f"fake:{source}", {n: len(source) % 7 for n in names})
+    return load
+
+
+def fake_cluster(instances=2, slots=4, max_queue=64, step_scale=1.0, policy="dilaserve", runner_cls=None,
+                 load_delay_s=0.0, threshold=None):
     latency = LatencyModel.from_profile(fake_profile())
     engines, infos = [], []
     for i in range(instances):
-        runner = CharFakeRunner(slots, real_sleep=True,
-                                step_time=lambda k, b, l, blk: step_scale * (0.004 if k == 0 else 0.001))
-        cfg = SchedulerConfig(num_slots=slots, policy=policy, max_queue=max_queue)
+        runner = (runner_cls or CharFakeRunner)(slots, real_sleep=True,
+                                                step_time=lambda k, b, l, blk: step_scale * (0.004 if k == 0 else 0.001))
+        cfg = SchedulerConfig(num_slots=slots, policy=policy, max_queue=max_queue,
+                              **({"threshold": threshold} if threshold is not None else {}))
         engines.append(Engine(runner, Scheduler(cfg, latency), clock=time.monotonic, name=f"instance-{i}"))
         infos.append(InstanceInfo(f"instance-{i}", 1, (i,)))
     tok = CharTokenizer()
     limits = Limits(max_len=256, vocab_size=tok.vocab_size, reserved_ids=frozenset({tok.mask_id, tok.pad_id}),
                     default_max_new_tokens=32, default_block_length=16, default_slo_ms=5000)
     return Cluster(engines, infos, layout=f"{instances}x1", policy=policy, model_source="fake", tokenizer=tok,
-                   limits=limits)
+                   limits=limits, loader=fake_loader([e.name for e in engines], load_delay_s))
 
 
 @pytest.fixture

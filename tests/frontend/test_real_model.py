@@ -32,24 +32,29 @@ def _prompts(n):
 
 
 @pytest.fixture(scope="module")
-def tiny_server(tmp_path_factory):
+def weights_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("weights")
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory, weights_root):
     profile = tmp_path_factory.mktemp("profile") / "profile.json"
     fake_profile().save(profile)  # scheduling only: answers do not depend on step-time predictions
     cfg = ServeConfig(model="tiny", mesh="2x1", slots=4, length_buckets=(64,), block_buckets=(16,),
                       default_block_length=16, default_max_new_tokens=16, profile=str(profile),
-                      allow_unused_devices=True, default_slo_ms=600_000)
-    server = ServerThread(build_cluster(cfg, say=lambda _m: None)).ready()
+                      allow_unused_devices=True, default_slo_ms=600_000, controller="manual")
+    server = ServerThread(build_cluster(cfg, say=lambda _m: None), weights_roots=(str(weights_root),)).ready()
     yield server
     server.stop()
 
 
-def test_64_concurrent_requests_match_the_decoding_path(tiny_server):
-    prompts = _prompts(64)
+def call_concurrently(server, prompts):
+    """One gRPC call per prompt, all at once (τ fixed at TAU); returns (replies by index, errors)."""
     replies, errors = {}, []
 
     def call(i, text, gen):
         try:
-            with tiny_server.client() as c:
+            with server.client() as c:
                 replies[i] = c.generate(text, max_new_tokens=gen, block_length=16, tau_min=TAU, tau_max=TAU)
         except grpc.RpcError as err:  # recorded, then asserted on the main thread
             errors.append((i, err.code(), err.details()))
@@ -59,8 +64,14 @@ def test_64_concurrent_requests_match_the_decoding_path(tiny_server):
         t.start()
     for t in threads:
         t.join(600)
+    return replies, errors
+
+
+def test_64_concurrent_requests_match_the_decoding_path(tiny_server):
+    prompts = _prompts(64)
+    replies, errors = call_concurrently(tiny_server, prompts)
     assert not errors and len(replies) == 64
-    assert {r.instance for r in replies.values()} == {"instance-0", "instance-1"}  # both instances served
+    assert {r.instance for r in replies.values()} == {"tp1@0", "tp1@1"}  # both instances served
 
     model = load_model("tiny")
     decoder = SlotDecoder(model.config, model.graphdef, model.params,
@@ -76,24 +87,36 @@ def test_stream_over_the_real_model_ends_with_the_unary_answer(tiny_server):
     with tiny_server.client() as c:
         unary = c.generate(text, max_new_tokens=gen, block_length=16, tau_min=TAU, tau_max=TAU)
         events = list(c.generate_stream(text, max_new_tokens=gen, block_length=16, tau_min=TAU, tau_max=TAU))
-    assert events[-1].final.text == unary.text and events[-2].update.canvas == unary.text
+    from dilaserve_jax.frontend.service import END_MARK
+
+    assert events[-1].final.text == unary.text
+    assert events[-2].update.canvas == unary.text + END_MARK * (gen - len(unary.text))  # the EOS shows as the end
+    assert all(len(e.update.canvas) == gen for e in events[:-1])  # one character per answer position
     assert len(events) - 1 == unary.steps
 
 
-def test_reload_weights_swaps_between_steps(tiny_server, tmp_path):
+@pytest.fixture(scope="module")
+def shipped_copy(weights_root):
+    """The shipped weights as an orbax training directory (step 5) under the weights root."""
     from dilaserve_jax.models.checkpoint import save_params
     from dilaserve_jax.models.registry import save_model_config
 
     model = load_model("tiny")
-    save_model_config(tmp_path, model.config)
-    save_params(tmp_path, 5, model.params)
+    directory = weights_root / "same"
+    save_model_config(directory, model.config)
+    save_params(directory, 5, model.params)
+    return directory
+
+
+def test_reload_weights_swaps_between_steps(tiny_server, shipped_copy):
+    directory = shipped_copy
     with tiny_server.client() as c:
-        reply = c.reload_weights(str(tmp_path))
+        reply = c.reload_weights(str(directory))
         assert reply.model.endswith("@5") and reply.seconds > 0
         assert c.cluster_state().model == reply.model
         assert c.generate("sort 312=", max_new_tokens=12, block_length=12).text
         with pytest.raises(grpc.RpcError) as info:
-            c.reload_weights(str(tmp_path / "missing"))
+            c.reload_weights(str(directory / "missing"))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -119,6 +142,8 @@ def test_serve_command_starts_answers_and_stops_on_sigterm(tmp_path):
         log = "".join(lines)
         assert port and "ready:" in log, log[-3000:]
         assert "presenting 8 CPU devices" in log and "2x4 = TP4[0-3] + TP4[4-7]" in log
+        assert "Unable to initialize backend" not in log and "auth: off" in log and "allowed on loopback" in log
+        assert "tp4@4-7: compiling decode steps" in log  # the progress bar names its instance
         out = subprocess.run([sys.executable, "-m", "dilaserve_jax.client", "--target", f"127.0.0.1:{port}",
                               "--max-new-tokens", "12", "--block-length", "12", "--tau-min", "1", "--tau-max", "1",
                               "--json", "sort 93142="], capture_output=True, text=True, timeout=120)
@@ -138,3 +163,163 @@ def test_serve_command_starts_answers_and_stops_on_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _perturbed_tiny(directory, step, seed):
+    """The tiny model with noise on its embeddings, saved as an orbax training directory."""
+    import jax
+    import numpy as np
+
+    from dilaserve_jax.models.checkpoint import save_params
+    from dilaserve_jax.models.registry import save_model_config
+
+    model = load_model("tiny")
+    rng = np.random.default_rng(seed)
+    params = jax.tree.map(lambda x: x, model.params)
+    emb = params["wte"]
+    emb[...] = emb[...] + (1.5 * rng.standard_normal(emb.shape)).astype(emb.dtype)
+    save_model_config(directory, model.config)
+    save_params(directory, step, params)
+    return model.config, model.graphdef, params
+
+
+def _offline(params_of, prompts, cache="dual"):
+    cfg, graphdef, params = params_of
+    model = load_model("tiny")
+    decoder = SlotDecoder(cfg, graphdef, params, DecoderConfig(4, (64,), (16,), cache), progress=False)
+    requests = [DecodeRequest(tuple(model.tokenizer.encode(t)), g, 16, TAU) for t, g in prompts]
+    return [r.answer for r in generate_many(decoder, requests)[0]]
+
+
+def test_reload_racing_in_flight_calls(tiny_server, weights_root, shipped_copy):
+    """ReloadWeights while 32+ calls are in flight, three times: nothing fails, and a call that ran
+    wholly before (after) a swap has the offline decoder's tokens with the old (new) weights."""
+    model = load_model("tiny")
+    old = (model.config, model.graphdef, model.params)
+    new = _perturbed_tiny(weights_root / "perturbed", 1, seed=0)
+    prompts = _prompts(40)
+    offline = {"old": _offline(old, prompts), "new": _offline(new, prompts)}
+    assert sum(a != b for a, b in zip(offline["old"], offline["new"])) >= 5, "the perturbation must show"
+    errors, checked = [], {"old": 0, "new": 0}
+    current = "old"
+    for target, label in ((weights_root / "perturbed", "new"), (shipped_copy, "old"),
+                          (weights_root / "perturbed", "new")):
+        results = {}
+
+        def call(i, text, gen):
+            t0 = time.monotonic()
+            try:
+                with tiny_server.client() as c:
+                    r = c.generate(text, max_new_tokens=gen, block_length=16, tau_min=TAU, tau_max=TAU)
+                results[i] = (t0, time.monotonic(), r)
+            except grpc.RpcError as err:
+                errors.append((i, err.code(), err.details()))
+
+        threads = [threading.Thread(target=call, args=(i, t, g)) for i, (t, g) in enumerate(prompts[:32])]
+        for t in threads:
+            t.start()
+        time.sleep(0.05)
+        swap_start = time.monotonic()
+        with tiny_server.client() as c:
+            c.reload_weights(str(target))
+        swap_end = time.monotonic()
+        late = [threading.Thread(target=call, args=(i, t, g)) for i, (t, g) in enumerate(prompts) if i >= 32]
+        for t in late:
+            t.start()
+        for t in threads + late:
+            t.join(600)
+        assert not errors, errors[:3]
+        for i, (t0, t1, r) in results.items():
+            weights = current if t1 < swap_start else label if t0 > swap_end else None
+            if weights is not None:  # wholly before or after the swap
+                assert list(r.token_ids) == offline[weights][i][:prompts[i][1]], (i, weights)
+                checked[weights] += 1
+        current = label
+    assert checked["old"] >= 8 and checked["new"] >= 8, checked
+
+
+def test_failed_instances_hand_their_calls_to_the_survivor(tmp_path):
+    """Over gRPC with the real model (cache none), three of four instances fail mid-run, one way
+    each: a runner that raises, an engine loop killed by a scheduler fault, a step that hangs past
+    the watchdog. Every call still succeeds with the offline decoder's tokens; the state shows it."""
+    profile = tmp_path / "profile.json"
+    fake_profile().save(profile)
+    cfg = ServeConfig(model="tiny", mesh="4x1", slots=4, length_buckets=(64,), block_buckets=(16,),
+                      default_block_length=16, profile=str(profile), allow_unused_devices=True, cache_mode="none",
+                      default_slo_ms=600_000, policy="fcfs-static", controller="manual", step_timeout_s=3.0)
+    cluster = build_cluster(cfg, say=lambda _m: None)
+    raising, dying, hanging = (cluster.engine(f"tp1@{i}") for i in range(3))
+    _fault_on_call(raising.runner, "step", 4, lambda: (_ for _ in ()).throw(RuntimeError("injected device fault")))
+    _fault_on_call(dying.scheduler, "update", 4, lambda: (_ for _ in ()).throw(KeyError("injected scheduler bug")))
+    _fault_on_call(hanging.runner, "step", 4, lambda: time.sleep(8.0))
+    server = ServerThread(cluster).ready()
+    try:
+        prompts = _prompts(24)
+        replies, errors = call_concurrently(server, prompts)
+        assert not errors and len(replies) == 24
+        model = load_model("tiny")
+        expected = _offline((model.config, model.graphdef, model.params), prompts, cache="none")
+        for i, r in replies.items():
+            assert list(r.token_ids) == expected[i][:prompts[i][1]], (prompts[i], r.moves, r.instance)
+        assert any(r.moves for r in replies.values()), "some call was on a failed instance"
+        with server.client() as c:
+            state = c.cluster_state()
+        by_name = {i.name: i for i in state.instances}
+        assert "injected device fault" in by_name["tp1@0"].error and "injected scheduler bug" in by_name["tp1@1"].error
+        assert "watchdog" in by_name["tp1@2"].error and by_name["tp1@3"].state == "running"
+        assert [i.state for i in state.instances] == ["failed", "failed", "failed", "running"]
+        assert state.serving and state.migrations["failure"] >= 1
+    finally:
+        time.sleep(6.0)  # the hung step returns; its dead loop must leave everything alone
+        server.stop()
+
+
+def _fault_on_call(obj, method, n, fault):
+    """Make obj.method run `fault()` instead of itself on its n-th call (an instance attribute)."""
+    real, calls = getattr(obj, method), {"n": 0}
+
+    def wrapper(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == n:
+            fault()
+        return real(*a, **kw)
+    setattr(obj, method, wrapper)
+
+
+def _write(directory, files):
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+    return directory
+
+
+def test_reload_fuzz_cases_are_invalid_argument_with_bounded_messages(tiny_server, weights_root):
+    import os as _os
+
+    rnd = _os.urandom
+    good_config = (Path(load_model("tiny").source.split(":", 1)[1]) / "config.json").read_bytes()
+    cases = {
+        "name over 255 bytes": weights_root / ("x" * 300),
+        "100 KB name": weights_root / ("y" * 100_000),
+        "random safetensors": _write(weights_root / "rand-st", {"config.json": good_config,
+                                                               "model.safetensors": rnd(4096)}),
+        "bad safetensors header": _write(weights_root / "bad-header", {
+            "config.json": good_config,
+            "model.safetensors": (64).to_bytes(8, "little") + b'{"a": {"dtype": "F32", "shape": [9], '
+                                 b'"data_offsets": [0, 9999]}}' + b" " * 10}),
+        "not a config": _write(weights_root / "not-config", {"model_config.json": b'{"not": "a config"}'}),
+        "random config.json": _write(weights_root / "rand-config", {"config.json": rnd(512)}),
+    }
+    with tiny_server.client() as c:
+        for name, directory in cases.items():
+            with pytest.raises(grpc.RpcError) as info:
+                c.reload_weights(str(directory))
+            err = info.value
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, err.code(), err.details()[:300])
+            assert len(err.details()) <= 1024, name
+            if name == "random config.json":
+                assert "config.json" in err.details(), err.details()
+        with pytest.raises(grpc.RpcError) as info:  # outside every weights root
+            c.reload_weights("/etc")
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert c.generate("sort 312=", max_new_tokens=12, block_length=12).text  # still serving

@@ -148,7 +148,7 @@ def test_health_not_serving_until_ready_then_serving_then_not_serving_on_drain()
     check = lambda: health.Check(health_pb2.HealthCheckRequest(service="dilaserve.v1.DiLaServe"), timeout=5).status  # noqa: E731
     try:
         assert check() == health_pb2.HealthCheckResponse.NOT_SERVING
-        with server.client() as c:
+        with server.client(retries=False) as c:
             code, details = status_of(lambda: c.generate("too early"))
             assert code == grpc.StatusCode.UNAVAILABLE and "warming up" in details
         server.ready()
@@ -156,7 +156,7 @@ def test_health_not_serving_until_ready_then_serving_then_not_serving_on_drain()
         server.call(server.running.set_serving(False))
         server.running.service.draining = True
         assert check() == health_pb2.HealthCheckResponse.NOT_SERVING
-        with server.client() as c:
+        with server.client(retries=False) as c:
             code, details = status_of(lambda: c.generate("too late"))
             assert code == grpc.StatusCode.UNAVAILABLE and "draining" in details
     finally:

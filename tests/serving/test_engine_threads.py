@@ -1,11 +1,12 @@
 import threading
 import time
 
-from conftest import make_engine, req
+from serving_support import make_engine, req
+from dilaserve_jax.serving.cluster import Cluster, InstanceInfo
 from dilaserve_jax.serving.engine import Engine, StepTimeline
 from dilaserve_jax.serving.fake_runner import FakeRunner
 from dilaserve_jax.serving.request import Request, RequestState
-from dilaserve_jax.serving.router import Router
+from dilaserve_jax.serving.router import Router, predict_finish
 from dilaserve_jax.serving.scheduler import Scheduler, SchedulerConfig
 
 
@@ -35,7 +36,8 @@ def test_two_instances_overlap_in_threads(latency):
     timeline = StepTimeline()
     for e in engines:
         e.add_step_hook(timeline)
-    router = Router(engines).start()
+    for e in engines:
+        e.start()
     try:
         t0 = time.monotonic()
         hs = [e.submit(Request(f"r{k}", (1, 2), n, n, t0, t0 + 60, tau_min=1.0, tau_max=1.0))
@@ -43,7 +45,8 @@ def test_two_instances_overlap_in_threads(latency):
         results = [h.result(timeout=10) for h in hs]
         wall = time.monotonic() - t0
     finally:
-        router.stop()
+        for e in engines:
+            e.stop()
     assert all(r.steps == n for r in results)
     serial = 2 * n * step_s
     assert wall < 0.8 * serial, f"{wall:.3f}s: instances did not overlap (serial would be {serial:.3f}s)"
@@ -52,13 +55,18 @@ def test_two_instances_overlap_in_threads(latency):
 
 def test_router_sends_to_earliest_predicted_finish(latency):
     busy, free = _sleepy_engine(latency, "busy", 0.0), _sleepy_engine(latency, "free", 0.0)
-    router = Router([busy, free])
+    cluster = Cluster([busy, free], [InstanceInfo("busy", 1, (0,)), InstanceInfo("free", 1, (1,))], layout="2x1",
+                      policy="dilaserve", model_source="fake", tokenizer=None, limits=None, step_timeout_s=None)
+    cluster.ready = True
     for i in range(4):  # not started: submissions stay queued on the busy one
         busy.submit(req(f"b{i}", time.monotonic(), 60.0))
-    assert busy.predict_finish(req("x", time.monotonic(), 60.0)) > free.predict_finish(req("y", time.monotonic(), 60.0))
-    router.submit(req("new", time.monotonic(), 60.0))
-    assert router.instance_of("new") == "free"
-    assert router.abort("new") and not router.abort("unknown")
+    now = time.monotonic()
+    x = req("x", now, 60.0)
+    assert predict_finish(busy.snapshot(), x, now) > predict_finish(free.snapshot(), x, now)
+    cluster.submit(req("new", time.monotonic(), 60.0))
+    assert cluster.instance_of("new") == "free"
+    assert cluster.abort("new") and not cluster.abort("unknown")
+    assert Router().choose([busy.snapshot(), free.snapshot()], x, now, exclude=frozenset({"free"})) == "busy"
 
 
 def test_abort_from_another_thread(latency):

@@ -1,0 +1,222 @@
+"""`python -m dilaserve_jax.bench.soak`: many calls over gRPC, with faults, and nothing may be lost.
+
+Starts the server in this process exactly as `serve --mesh 2x4` builds it (embedded tiny model),
+then sends N calls over gRPC from an asyncio client with bounded concurrency: held-out task
+prompts, some cancelled by the client after a random delay, some malformed on purpose. Midway it
+reloads the weights through `ReloadWeights` and makes one instance's runner raise (a device
+fault), so that instance fails and its requests move to the survivors. It prints how every call
+ended; "lost" counts calls that ended in any way the server does not answer by design (INTERNAL,
+UNKNOWN, UNAVAILABLE, a hang) and must be 0.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+BAD_REQUESTS = (  # (what, GenerateRequest fields): each must come back INVALID_ARGUMENT
+    ("empty prompt", {"text": ""}),
+    ("tau out of range", {"text": "sort 312=", "tau_min": 1.5}),
+    ("floor above ceiling", {"text": "sort 312=", "tau_min": 0.9, "tau_max": 0.5}),
+    ("negative slo", {"text": "sort 312=", "slo_ms": -1.0}),
+    ("answer too long", {"text": "sort 312=", "max_new_tokens": 100_000}),
+    ("character outside the vocabulary", {"text": "s\u00f6rt 312="}),
+    ("reserved token id", {"token_ids": [2, 65]}),
+)
+BY_DESIGN = {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "CANCELLED"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dilaserve_jax.bench.soak",
+                                description="Send many gRPC calls to an in-process `serve --mesh 2x4` with random "
+                                            "cancellations, malformed calls, a weight reload and an injected "
+                                            "instance failure midway; report how every call ended (lost must be 0).")
+    p.add_argument("--requests", type=int, default=10_000, help="calls to send (default 10000)")
+    p.add_argument("--concurrency", type=int, default=64, help="calls in flight at once (default 64)")
+    p.add_argument("--mesh", default="2x4", help="layout (default 2x4)")
+    p.add_argument("--slots", type=int, default=8, help="slots per instance (default 8)")
+    p.add_argument("--cancel-rate", type=float, default=0.05, help="share of calls cancelled by the client")
+    p.add_argument("--bad-rate", type=float, default=0.05, help="share of malformed calls")
+    p.add_argument("--slo-ms", type=float, default=60_000.0, help="slo_ms of every call (default 60000)")
+    p.add_argument("--controller", default="manual", choices=("auto", "paused", "manual"),
+                   help="cluster controller of the server (default manual: the soak is about faults)")
+    p.add_argument("--profile", help="step-latency profile JSON (default: measured at start-up, as serve does)")
+    p.add_argument("--no-fault", action="store_true", help="do not inject the instance failure")
+    p.add_argument("--no-reload", action="store_true", help="do not reload weights midway")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile-cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dilaserve_jax", "xla"),
+                   help="persistent XLA compilation cache ('none' disables)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.requests < 1 or args.concurrency < 1 or not 0 <= args.cancel_rate < 1 or not 0 <= args.bad_rate < 1:
+        print("error: need requests, concurrency >= 1 and rates in [0, 1)", file=sys.stderr)
+        return 2
+    from dilaserve_jax.serve import present_cpu_devices
+
+    present_cpu_devices(args.mesh, 1)
+    return asyncio.run(_soak(args))
+
+
+def _prompts(seed: int) -> list[tuple[str, int]]:
+    from dilaserve_jax.tasks.suite import SHORT_AREA, TASKS, unique_problems
+
+    names = [n for n, t in TASKS.items() if t.gen_length == SHORT_AREA]
+    return [(p.prompt, TASKS[p.task].gen_length) for n in names for p in unique_problems(n, "heldout", 60, seed=seed)]
+
+
+async def _soak(args) -> int:
+    import grpc
+    from tqdm.auto import tqdm
+
+    from dilaserve_jax.decoding.compiled import enable_compile_cache
+    from dilaserve_jax.frontend import dilaserve_pb2 as pb
+    from dilaserve_jax.frontend import dilaserve_pb2_grpc as pb_grpc
+    from dilaserve_jax.frontend.server import ServerOptions, start_server
+    from dilaserve_jax.models import load_model
+    from dilaserve_jax.models.checkpoint import save_params
+    from dilaserve_jax.models.registry import save_model_config
+    from dilaserve_jax.serving.build import ServeConfig, build_cluster
+
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    enable_compile_cache(args.compile_cache)
+    root = Path(tempfile.mkdtemp(prefix="dilaserve-soak-"))
+    model = load_model("tiny")
+    save_model_config(root / "tiny-copy", model.config)
+    save_params(root / "tiny-copy", 1, model.params)
+    cluster = build_cluster(ServeConfig(mesh=args.mesh, slots=args.slots, profile=args.profile,
+                                        controller=args.controller), say)
+    server = await start_server(cluster, ServerOptions(port=0, metrics_port=None, weights_roots=(str(root),)))
+    cluster.start()
+    await asyncio.to_thread(cluster.warm_up)
+    await server.set_serving(True)
+    say(f"soak: {args.requests} calls, {args.concurrency} at a time, against {cluster.layout} on port {server.port}")
+
+    rng = random.Random(args.seed)
+    prompts = _prompts(args.seed)
+    outcomes: Counter = Counter()
+    latencies: list[float] = []
+    events: list[str] = []
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = pb_grpc.DiLaServeStub(channel)
+    sem = asyncio.Semaphore(args.concurrency)
+    bar = tqdm(total=args.requests, desc="soak", unit="call", file=sys.stderr)
+
+    async def one(i: int) -> None:
+        kind = rng.random()
+        if kind < args.bad_rate:
+            what, fields = BAD_REQUESTS[i % len(BAD_REQUESTS)]
+            fields = dict(fields)
+            ids = fields.pop("token_ids", None)
+            req = pb.GenerateRequest(**fields)
+            if ids is not None:
+                req.token_ids.ids.extend(ids)
+            expected = "INVALID_ARGUMENT"
+        else:
+            text, gen = prompts[i % len(prompts)]
+            req = pb.GenerateRequest(text=text, max_new_tokens=gen, block_length=gen, slo_ms=args.slo_ms,
+                                     tau_min=0.9, tau_max=1.0)
+            expected = None
+        cancel_after = rng.uniform(0.0, 0.2) if expected is None and kind > 1 - args.cancel_rate else None
+        async with sem:
+            t0 = time.perf_counter()
+            call = stub.Generate(req, timeout=600)
+            try:
+                if cancel_after is not None:
+                    done, _ = await asyncio.wait({asyncio.ensure_future(_await(call))}, timeout=cancel_after)
+                    if not done:
+                        call.cancel()
+                reply = await call
+                outcomes["OK"] += 1
+                latencies.append(time.perf_counter() - t0)
+                assert reply.text is not None
+            except asyncio.CancelledError:
+                outcomes["CANCELLED"] += 1
+            except grpc.aio.AioRpcError as err:
+                code = err.code().name
+                if expected is not None and code != expected:
+                    code = f"{code} (expected {expected})"
+                outcomes[code] += 1
+        bar.update(1)
+
+    async def faults() -> None:
+        while bar.n < args.requests // 2:
+            await asyncio.sleep(0.05)
+        if not args.no_reload:
+            t = time.perf_counter()
+            reply = await stub.ReloadWeights(pb.ReloadWeightsRequest(directory=str(root / "tiny-copy")), timeout=600)
+            events.append(f"reloaded {reply.model} in {time.perf_counter() - t:.2f} s at call {bar.n}")
+        if not args.no_fault:
+            victim = cluster.engines[0]
+            real_step = victim.runner.step
+
+            def faulty(kind, slots, taus):
+                victim.runner.step = real_step
+                raise RuntimeError("injected device fault")
+            victim.runner.step = faulty
+            events.append(f"injected a fault into {victim.name} at call {bar.n}")
+
+    t0 = time.perf_counter()
+    fault_task = asyncio.ensure_future(faults())
+    await asyncio.gather(*(one(i) for i in range(args.requests)))
+    wall = time.perf_counter() - t0
+    bar.close()
+    if not fault_task.done():
+        fault_task.cancel()
+    state = cluster.state()
+    await channel.close()
+    await server.drain_and_stop(5.0)
+    cluster.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+    lost = sum(n for code, n in outcomes.items() if code not in BY_DESIGN and code != "OK")
+    lat = sorted(latencies)
+    report = {
+        "calls": args.requests, "completed": outcomes["OK"],
+        "rejected_by_design": outcomes["INVALID_ARGUMENT"] + outcomes["RESOURCE_EXHAUSTED"],
+        "cancelled": outcomes["CANCELLED"], "lost": lost, "outcomes": dict(outcomes),
+        "p50_latency_s": statistics.median(lat) if lat else None,
+        "p99_latency_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None,
+        "wall_s": wall, "events": events, "failures": state["failures"], "migrations": state["migrations"],
+        "reloads": state["reloads"], "layout": state["layout"],
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for e in events:
+            print(e)
+        print(f"calls {report['calls']}, completed {report['completed']}, rejected by design "
+              f"{report['rejected_by_design']}, cancelled {report['cancelled']}, lost {lost}; latency p50 "
+              f"{_ms(report['p50_latency_s'])}, p99 {_ms(report['p99_latency_s'])}; {wall:.0f} s "
+              f"({report['calls'] / wall:.1f} calls/s); moved by failure: {state['migrations'].get('failure', 0)}")
+        if lost:
+            print("lost calls by status: " + ", ".join(f"{k}: {v}" for k, v in outcomes.items()
+                                                       if k not in BY_DESIGN and k != "OK"))
+    return 1 if lost else 0
+
+
+async def _await(call):
+    try:
+        return await call
+    except BaseException:  # noqa: BLE001 - the main waiter reports it
+        return None
+
+
+def _ms(seconds) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.0f} ms"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,278 @@
+"""The cluster controller: which layout to run, and which requests to move (pure; no JAX).
+
+Every `interval_s` the cluster (or the simulator) calls `decide(now, current, snapshots)`:
+
+- **Load estimate.** Arrivals reported with `observe` over a sliding window give the rate and a
+  sample of recent request shapes (prompt and answer lengths, block, SLO, τ range).
+- **Candidates.** Every partition of the devices into power-of-two TP groups the model allows
+  (`tp_degrees`), or only the layouts given (`--layouts`).
+- **Prediction.** `capacity.evaluate_layouts`: per TP degree, the latency model (refresh and reuse
+  steps costed apart), the τ -> tokens/step estimate the instances publish, and the router's
+  equal-latency split give each candidate's SLO attainment, mean latency and mean τ.
+- **Objective.** attainment + `tau_weight`·mean τ − `latency_weight`·latency/latency_now: deadlines
+  first, then quality, then speed (at low load every layout meets every deadline at τ_max and the
+  widest instances finish soonest; at high load narrow instances keep τ high).
+- **Switching cost.** Bytes that must move (`capacity.moved_fraction` of the model per device) at
+  `bandwidth_gbps`, compilation of placements never seen (`compile_s`), and the pause of the
+  requests in flight (a step boundary plus a refresh). Requests whose slack is below the pause are
+  charged as misses; the gain counts only after the switch completes, over `horizon_s`.
+- **Decision.** Switch when the predicted gain beats the cost by `hysteresis`, the same layout won
+  `confirmations` rounds in a row, and `min_dwell_s` passed since the last switch, so it does not
+  flap. Every decision carries its reason and predictions, kept in `history`.
+- **Migration.** `plan_migrations`: a request at risk on one instance (it cannot meet its deadline
+  there even at its τ floor) moves at the next step boundary to an instance with a free slot and
+  an empty queue whose estimate says it will meet it there.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from dilaserve_jax.serving.capacity import (LayoutPrediction, RequestShape, binary_partitions, evaluate_layouts,
+                                            instance_curves, layout_text, moved_fraction, parse_layout, placements)
+from dilaserve_jax.serving.latency import LatencyModel
+from dilaserve_jax.serving.threshold import DEFAULT_PRIOR
+from dilaserve_jax.serving.types import StepKind
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    interval_s: float = 2.0  # between decisions
+    window_s: float = 30.0  # arrival-rate window
+    horizon_s: float = 300.0  # how long a new layout is expected to pay off
+    min_dwell_s: float = 30.0  # minimum time between two switches
+    hysteresis: float = 0.02  # objective gain (≈ attainment points / 100) needed beyond the cost
+    confirmations: int = 2  # rounds the same layout must win before a switch
+    min_arrivals: int = 8  # arrivals in the window before any switch
+    sample_size: int = 64  # recent request shapes kept for prediction
+    bandwidth_gbps: float = 100.0  # device-to-device bandwidth for the reshard estimate
+    compile_s: float = 10.0  # per placement never compiled (the old layout serves meanwhile)
+    tau_weight: float = 0.1
+    latency_weight: float = 0.1
+    target_utilisation: float = 0.85
+    max_migrations: int = 4  # per round
+    migration_cooldown_s: float = 5.0  # a request moves at most once per this long
+
+    def __post_init__(self) -> None:
+        if min(self.interval_s, self.window_s, self.horizon_s, self.bandwidth_gbps) <= 0:
+            raise ValueError("interval, window, horizon and bandwidth must be positive")
+        if self.min_dwell_s < 0 or self.hysteresis < 0 or self.compile_s < 0 or self.confirmations < 1:
+            raise ValueError("dwell, hysteresis and compile time must be >= 0, confirmations >= 1")
+        if not 0 < self.target_utilisation <= 1 or self.sample_size < 1 or self.max_migrations < 0:
+            raise ValueError("target utilisation in (0, 1], sample size >= 1, max migrations >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    time: float
+    current: str
+    chosen: str  # == current when staying
+    switch: bool
+    reason: str
+    rate: float  # arrivals per second in the window
+    predicted: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)  # layout -> (att, lat s, τ)
+    cost: float = 0.0  # objective units
+    seconds: float = 0.0  # how long deciding took
+
+    def __str__(self) -> str:
+        cur = self.predicted.get(self.current)
+        new = self.predicted.get(self.chosen)
+        fmt = lambda p: f"{p[0]:.1%} att, {p[1] * 1e3:.0f} ms, τ {p[2]:.2f}" if p else "n/a"  # noqa: E731
+        what = f"switch {self.current} -> {self.chosen}" if self.switch else f"stay on {self.current}"
+        return f"{what} at {self.rate:.2f} req/s: {self.reason} (now {fmt(cur)}; best {fmt(new)})"
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    request_id: str
+    source: str
+    target: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class AtRisk:
+    """A request an instance reports as at risk (in its published snapshot)."""
+
+    request_id: str
+    deadline: float
+    remaining_s: float  # its predicted time to finish there at its τ floor, if it ran now
+    running: bool
+    moves: int
+    last_move: float | None
+
+
+class ClusterController:
+    def __init__(self, cfg: ControllerConfig, *, num_devices: int, tp_degrees: Sequence[int],
+                 latency: LatencyModel | Mapping[int, LatencyModel], slots: int, param_bytes: int,
+                 layouts: Sequence[str | Sequence[int]] | None = None, tau_floor: float = 0.5,
+                 prior: Mapping[float, float] | None = None) -> None:
+        self.cfg = cfg
+        self.num_devices, self.slots, self.param_bytes, self.tau_floor = num_devices, slots, param_bytes, tau_floor
+        self.tp_degrees = tuple(sorted(t for t in set(tp_degrees) if t <= num_devices))
+        if not self.tp_degrees:
+            raise ValueError(f"no usable TP degree among {tp_degrees} for {num_devices} devices")
+        self._latency = latency
+        missing = [t for t in self.tp_degrees if not self._has_fit(t)]
+        if missing:
+            raise ValueError(f"the latency model has no fit for TP {missing}; profile those degrees first")
+        self.candidates = self._candidates(layouts)
+        prior = dict(prior or DEFAULT_PRIOR)
+        self.taus = tuple(sorted(prior, reverse=True))
+        self.tokens_per_step = tuple(prior[t] for t in self.taus)
+        self._arrivals: deque[tuple[float, RequestShape]] = deque()
+        self._lock = threading.Lock()  # arrivals are reported from other threads
+        self.history: deque[Decision] = deque(maxlen=64)
+        self.last_switch: float | None = None
+        self._streak: tuple[str, int] = ("", 0)
+        self._moved: dict[str, float] = {}
+
+    # --- inputs ---
+    def observe(self, shape: RequestShape, now: float) -> None:
+        """An arrival (any thread)."""
+        with self._lock:
+            self._arrivals.append((now, shape))
+
+    def set_tokens_per_step(self, taus: Sequence[float], rates: Sequence[float]) -> None:
+        """The instances' online τ -> tokens/step estimate (any order of τ)."""
+        pairs = sorted(zip(taus, rates), reverse=True)
+        self.taus, self.tokens_per_step = tuple(t for t, _ in pairs), tuple(max(1.0, r) for _, r in pairs)
+
+    def load(self, now: float) -> tuple[float, list[RequestShape]]:
+        """(arrival rate over the window, recent request shapes)."""
+        with self._lock:
+            while self._arrivals and self._arrivals[0][0] < now - self.cfg.window_s:
+                self._arrivals.popleft()
+            recent = list(self._arrivals)
+        if not recent:
+            return 0.0, []
+        span = min(self.cfg.window_s, max(now - recent[0][0], self.cfg.interval_s))
+        return len(recent) / span, [s for _, s in recent[-self.cfg.sample_size:]]
+
+    # --- the layout decision ---
+    def predict(self, rate: float, sample: Sequence[RequestShape],
+                layouts: Sequence[tuple[int, ...]] | None = None) -> list[LayoutPrediction]:
+        layouts = list(self.candidates if layouts is None else layouts)
+        needed = sorted({t for lay in layouts for t in lay})
+        curves = {t: instance_curves(self._model(t), t, sample, self.slots, self.taus, self.tokens_per_step,
+                                     tau_floor=self.tau_floor, target_utilisation=self.cfg.target_utilisation)
+                  for t in needed}
+        return evaluate_layouts(layouts, curves, rate)
+
+    def decide(self, now: float, current: Sequence[int], *, in_flight_slack: Sequence[float] = (),
+               compiled: frozenset[tuple[int, int]] = frozenset()) -> Decision:
+        """Choose the layout for the next period. `in_flight_slack`: deadline - now of the requests
+        in flight (charged if a switch would pause them past it); `compiled`: (TP, first device)
+        placements whose executables exist."""
+        t0 = time.perf_counter()
+        current = tuple(sorted(current, reverse=True))
+        cur_text = layout_text(current)
+        rate, sample = self.load(now)
+        if len(sample) < 1:
+            return self._record(Decision(now, cur_text, cur_text, False, "no arrivals in the window", rate,
+                                         seconds=time.perf_counter() - t0))
+        layouts = list(dict.fromkeys([current, *self.candidates]))
+        preds = {p.layout: p for p in self.predict(rate, sample, layouts)}
+        now_pred = preds[current]
+        ref_lat = max(now_pred.latency_s, 1e-9)
+
+        def value(p: LayoutPrediction) -> float:
+            return p.attainment + self.cfg.tau_weight * p.tau - self.cfg.latency_weight * p.latency_s / ref_lat
+
+        best = max(preds.values(), key=lambda p: (value(p), p.layout == current))
+        predicted = {layout_text(p.layout): (p.attainment, p.latency_s, p.tau) for p in (now_pred, best)}
+        if best.layout == current:
+            self._streak = ("", 0)
+            return self._record(Decision(now, cur_text, cur_text, False, "the current layout predicts best", rate,
+                                         predicted, seconds=time.perf_counter() - t0))
+        switch_s, pause_s = self.switch_seconds(current, best.layout, sample, compiled)
+        # charged as misses: requests in flight with less slack than the pause, and the share of the
+        # arrivals during the pause whose SLO is that tight
+        missed = sum(1 for s in in_flight_slack if s < pause_s)
+        tight = sum(1 for r in sample if r.slo_s < 2 * pause_s) / len(sample)
+        arrivals = rate * self.cfg.horizon_s
+        cost = (missed + rate * pause_s * tight) / max(1.0, arrivals)
+        gain = (value(best) - value(now_pred)) * max(0.0, 1.0 - switch_s / self.cfg.horizon_s)
+        best_text = layout_text(best.layout)
+        streak = self._streak[1] + 1 if self._streak[0] == best_text else 1
+        self._streak = (best_text, streak)
+        if gain <= cost + self.cfg.hysteresis:
+            reason = f"gain {gain:.3f} does not beat cost {cost:.3f} + hysteresis {self.cfg.hysteresis}"
+        elif len(sample) < self.cfg.min_arrivals:
+            reason = f"only {len(sample)} arrivals in the window (need {self.cfg.min_arrivals})"
+        elif self.last_switch is not None and now - self.last_switch < self.cfg.min_dwell_s:
+            reason = f"dwell: {now - self.last_switch:.0f} s since the last switch (min {self.cfg.min_dwell_s:g} s)"
+        elif streak < self.cfg.confirmations:
+            reason = f"{best_text} won {streak} of {self.cfg.confirmations} rounds needed"
+        else:
+            self._streak = ("", 0)
+            return self._record(Decision(now, cur_text, best_text, True,
+                                         f"gain {gain:.3f} > cost {cost:.3f} + hysteresis; switch ~{switch_s:.1f} s",
+                                         rate, predicted, cost, time.perf_counter() - t0))
+        return self._record(Decision(now, cur_text, best_text, False, reason, rate, predicted, cost,
+                                     time.perf_counter() - t0))
+
+    def switched(self, now: float) -> None:
+        """The actuator applied a switch (manual ones too): the dwell time starts now."""
+        self.last_switch = now
+
+    def switch_seconds(self, old: Sequence[int], new: Sequence[int], sample: Sequence[RequestShape],
+                       compiled: frozenset[tuple[int, int]] = frozenset()) -> tuple[float, float]:
+        """(seconds until the new layout serves, pause of the requests in flight)."""
+        move_bytes = moved_fraction(old, new) * self.param_bytes / max(1, max(new))
+        unseen = [p for p in placements(new) if p not in compiled and p not in placements(old)]
+        switch_s = move_bytes / (self.cfg.bandwidth_gbps * 1e9) + self.cfg.compile_s * len(unseen)
+        refresh = max(self._model(max(new)).predict(StepKind.REFRESH, 1, r.canvas, r.block_len, max(new))
+                      for r in sample) if sample else 0.0
+        return switch_s, 2 * refresh
+
+    # --- migration ---
+    def plan_migrations(self, now: float, at_risk: Mapping[str, Sequence[tuple[AtRisk, str]]]) -> list[Migration]:
+        """Moves for at-risk requests: `at_risk` maps each source instance to its at-risk requests,
+        each with the instance with spare capacity (a free slot, an empty queue) where it would
+        finish soonest and `remaining_s` its predicted time there. A request moves if it would meet
+        its deadline there; one request per target per round, each request at most once per
+        cooldown, at most `max_migrations` per round."""
+        self._moved = {k: t for k, t in self._moved.items() if now - t < self.cfg.migration_cooldown_s}
+        out: list[Migration] = []
+        used: set[str] = set()
+        for src, items in at_risk.items():
+            for r, target in sorted(items, key=lambda x: x[0].deadline):
+                if len(out) >= self.cfg.max_migrations:
+                    return out
+                if target == src or target in used:
+                    continue
+                last = self._moved.get(r.request_id, r.last_move)
+                if last is not None and now - last < self.cfg.migration_cooldown_s:
+                    continue
+                if now + r.remaining_s > r.deadline:
+                    continue
+                out.append(Migration(r.request_id, src, target, "at risk"))
+                self._moved[r.request_id] = now
+                used.add(target)
+        return out
+
+    # --- internals ---
+    def _record(self, d: Decision) -> Decision:
+        self.history.append(d)
+        return d
+
+    def _has_fit(self, tp: int) -> bool:
+        model = self._latency.get(tp) if isinstance(self._latency, Mapping) else self._latency
+        return model is not None and tp in model.tp_degrees
+
+    def _model(self, tp: int) -> LatencyModel:
+        return self._latency[tp] if isinstance(self._latency, Mapping) else self._latency
+
+    def _candidates(self, layouts) -> list[tuple[int, ...]]:
+        if layouts:
+            out = [tuple(sorted(parse_layout(x) if isinstance(x, str) else x, reverse=True)) for x in layouts]
+            bad = [layout_text(x) for x in out if sum(x) != self.num_devices or not set(x) <= set(self.tp_degrees)]
+            if bad:
+                raise ValueError(f"layouts {bad} do not cover the {self.num_devices} devices with TP degrees "
+                                 f"{self.tp_degrees}")
+            return list(dict.fromkeys(out))
+        return binary_partitions(self.num_devices, self.tp_degrees)

@@ -1,0 +1,119 @@
+"""The cluster controller's policy on a virtual clock (no JAX, no runner): it follows the load in
+both directions, does not flap, moves at-risk requests, and decides fast at 64 devices."""
+import time
+
+import pytest
+
+from dilaserve_jax.serving.capacity import (RequestShape, binary_partitions, layout_text, moved_fraction,
+                                            parse_layout, placements)
+from dilaserve_jax.serving.controller import AtRisk, ClusterController, ControllerConfig
+from dilaserve_jax.serving.fake_runner import fake_tp_profile
+from dilaserve_jax.serving.latency import LatencyModel
+
+SHAPE = RequestShape(prompt_len=32, answer_len=64, block_len=16, slo_s=0.4)
+
+
+@pytest.fixture(scope="module")
+def tp_latency():
+    return LatencyModel.from_profile(fake_tp_profile((1, 2, 4, 8)))
+
+
+def make(tp_latency, devices=8, **cfg):
+    kw = dict(interval_s=1.0, window_s=10.0, min_dwell_s=5.0, confirmations=2)
+    kw.update(cfg)
+    return ClusterController(ControllerConfig(**kw), num_devices=devices, tp_degrees=(1, 2, 4, 8),
+                             latency=tp_latency, slots=8, param_bytes=10**7)
+
+
+def drive(ctl, layout, rates, seconds_each=20.0, start=0.0):
+    """Arrivals at each rate in turn (evenly spaced), a decision every interval; applies switches.
+    Returns the layouts after each phase and the number of switches."""
+    now, lay, seen, switches = start, tuple(layout), [], 0
+    for rate in rates:
+        end = now + seconds_each
+        next_arrival = now
+        while now < end:
+            while next_arrival <= now:
+                ctl.observe(SHAPE, next_arrival)
+                next_arrival += 1.0 / rate
+            d = ctl.decide(now, lay)
+            if d.switch:
+                lay = parse_layout(d.chosen)
+                ctl.switched(now)
+                switches += 1
+            now += ctl.cfg.interval_s
+        seen.append(layout_text(lay))
+    return seen, switches, lay
+
+
+def test_a_load_ramp_moves_towards_more_instances_and_back(tp_latency):
+    ctl = make(tp_latency)
+    low, high = 2.0, 400.0
+    seen, switches, lay = drive(ctl, (8,), [low, high, low])
+    assert seen[0] == "1x8"  # light load: the widest instance finishes each request soonest
+    assert len(parse_layout(seen[1])) > 1  # heavy load: more, narrower instances
+    assert seen[2] == "1x8"  # back when the load drops
+    assert switches >= 2
+    switched = [d for d in ctl.history if d.switch]
+    assert all(d.predicted[d.chosen][0] >= d.predicted[d.current][0] - 1e-9 for d in switched)
+    assert all(d.reason for d in ctl.history)
+
+
+def test_a_load_oscillating_around_the_switch_point_does_not_flap(tp_latency):
+    # 60 and 110 req/s lie either side of where 2x4 starts to beat 1x8 by a small margin; each phase
+    # outlasts the rate window, so an undamped controller follows every swing
+    undamped = make(tp_latency, min_dwell_s=0.0, confirmations=1, hysteresis=0.0)
+    _, flaps, _ = drive(undamped, (8,), [60.0, 110.0] * 6, seconds_each=20.0)
+    assert flaps >= 6  # the load really does pull both ways
+    ctl = make(tp_latency, min_dwell_s=30.0)
+    _, switches, _ = drive(ctl, (8,), [60.0, 110.0] * 6, seconds_each=20.0)
+    assert switches <= 1, [str(d) for d in ctl.history if d.switch]
+
+
+def test_hysteresis_and_confirmation_hold_a_single_spike(tp_latency):
+    ctl = make(tp_latency, confirmations=3)
+    _, switches, lay = drive(ctl, (8,), [2.0, 400.0, 2.0], seconds_each=2.0)  # 2 rounds of spike < 3
+    assert switches == 0 and lay == (8,)
+
+
+def test_at_risk_requests_go_to_an_idle_instance(tp_latency):
+    ctl = make(tp_latency)
+    risky = AtRisk("late", deadline=10.0, remaining_s=0.5, running=True, moves=0, last_move=None)
+    hopeless = AtRisk("gone", deadline=9.2, remaining_s=0.5, running=False, moves=0, last_move=None)
+    moves = ctl.plan_migrations(9.0, {"tp4@0-3": [(risky, "tp4@4-7"), (hopeless, "tp4@4-7")]})
+    assert [(m.request_id, m.source, m.target) for m in moves] == [("late", "tp4@0-3", "tp4@4-7")]
+    assert ctl.plan_migrations(9.5, {"tp4@0-3": [(risky, "tp4@4-7")]}) == []  # cooldown
+
+
+def test_decision_time_for_64_devices(tp_latency):
+    ctl = ClusterController(ControllerConfig(), num_devices=64, tp_degrees=(1, 2, 4, 8), latency=tp_latency,
+                            slots=8, param_bytes=10**9)
+    for i in range(64):
+        ctl.observe(SHAPE, i * 0.1)
+    t0 = time.perf_counter()
+    d = ctl.decide(6.4, (8,) * 8)
+    assert time.perf_counter() - t0 < 1.0 and d.seconds < 1.0
+    assert len(ctl.candidates) == len(binary_partitions(64, (1, 2, 4, 8))) > 500
+
+
+def test_candidates_costs_and_layout_text():
+    assert len(binary_partitions(8, (1, 2, 4, 8))) == 10
+    assert parse_layout("4+2+1+1") == (4, 2, 1, 1) and layout_text((1, 1, 2, 4)) == "4+2+1+1"
+    assert placements((1, 4, 2, 1)) == [(4, 0), (2, 4), (1, 6), (1, 7)]
+    assert moved_fraction((4, 4), (4, 4)) == 0
+    assert moved_fraction((8,), (4, 4)) == pytest.approx(1.75)  # each device keeps 1/8, needs 1/4
+    assert moved_fraction((4, 4), (8,)) == pytest.approx(0.75)
+    with pytest.raises(ValueError):
+        parse_layout("3x3")
+
+
+def test_layout_restriction_and_missing_fits_are_errors(tp_latency):
+    ctl = ClusterController(ControllerConfig(), num_devices=8, tp_degrees=(1, 2, 4, 8), latency=tp_latency,
+                            slots=8, param_bytes=1, layouts=["2x4", "8x1"])
+    assert [layout_text(c) for c in ctl.candidates] == ["2x4", "8x1"]
+    with pytest.raises(ValueError, match="do not cover"):
+        ClusterController(ControllerConfig(), num_devices=8, tp_degrees=(1, 2, 4, 8), latency=tp_latency, slots=8,
+                          param_bytes=1, layouts=["2x2"])
+    one_tp = LatencyModel.from_profile(fake_tp_profile((1,)))
+    with pytest.raises(ValueError, match="no fit for TP"):
+        ClusterController(ControllerConfig(), num_devices=8, tp_degrees=(1, 2), latency=one_tp, slots=8, param_bytes=1)
