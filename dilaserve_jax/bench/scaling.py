@@ -8,7 +8,8 @@ step), greedy. The LM head's EOS column is zero, so EOS (logit 0) is never the a
 random logits and every row decodes all 128 positions: every row does the same work (checked).
 
 Each tree runs in its own worker process (bench/scaling_worker.py). Cells are timed in rounds:
-a warm-up round (compiles), then `repeats` rounds; within a round every (cache, batch) cell runs
+a warm-up round (compiles; for none and dual it decodes one block per row, on the same decoder,
+canvas bucket and executables as the timed rounds), then `repeats` rounds; within a round every (cache, batch) cell runs
 in each tree back to back, the trees' order alternating between rounds, so both see the same
 machine load. tokens/s = committed tokens / wall seconds of generate_many; tokens/cpu-s = the same
 tokens / the worker's CPU seconds (all threads), a measure of work that a busy shared machine
@@ -130,8 +131,12 @@ def run_scaling(cfg: ScalingConfig, trees: dict[str, str | Path], progress: bool
                 for cache, batch in cells:
                     for w in order:
                         bar.set_postfix_str(f"round {rnd} {w.label} {cache} b{batch}")
-                        reply = w.ask(op="generate", cache=cache, batch=batch, **shape)
-                        if reply["tokens"] != batch * cfg.answer:
+                        # Warm-up: one block per row, except prefix, whose query buckets follow
+                        # what is left of the answer (a short answer would not compile them all).
+                        short = rnd == 0 and cache != "prefix"
+                        warm_up = {"run_answer": min(cfg.block, cfg.answer)} if short else {}
+                        reply = w.ask(op="generate", cache=cache, batch=batch, **shape, **warm_up)
+                        if rnd and reply["tokens"] != batch * cfg.answer:
                             raise RuntimeError(f"{w.label} {cache} b{batch}: {reply['tokens']} tokens committed, "
                                                f"expected {batch * cfg.answer} (a row finished early)")
                         if rnd:

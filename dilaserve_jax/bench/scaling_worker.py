@@ -9,7 +9,9 @@ line on stdout. It uses only the decoding API both trees share (SlotDecoder, gen
   {"op": "generate", "cache": "dual", "batch": 8, "prompt": 32, "answer": 128, "block": 32, "seed": 0}
       -> {"seconds", "cpu_seconds", "tokens", "digest"}: one generate_many over `batch` requests
       (τ 1, greedy) on a decoder with `batch` slots, built on first use; cpu_seconds is the process's
-      CPU time meanwhile (all threads); digest hashes every answer in order.
+      CPU time meanwhile (all threads); digest hashes every answer in order. An optional
+      "run_answer" decodes answers of that length instead on the same decoder (same canvas bucket,
+      same executables): a cheaper warm-up.
   {"op": "breakdown", ...same keys..., "repeats": 5}
       -> bench/step_profile.py's timings of one refresh and one reuse step of that shape, loaded
       from the benchmark's own tree (the stage split needs the named scopes of that tree's steps).
@@ -55,8 +57,9 @@ def main() -> int:
     def requests(cmd: dict) -> list:
         rng = np.random.default_rng(cmd["seed"])
         low = max(model.config.mask_id, model.config.eos_id, model.config.pad_id) + 1
+        answer = cmd.get("run_answer", cmd["answer"])
         return [DecodeRequest(tuple(rng.integers(low, model.config.vocab_size, cmd["prompt"]).tolist()),
-                              cmd["answer"], cmd["block"], 1.0) for _ in range(cmd["batch"])]
+                              answer, cmd["block"], 1.0) for _ in range(cmd["batch"])]
 
     print(json.dumps({"ready": dilaserve_jax.__file__}), flush=True)
     for line in sys.stdin:
