@@ -4,6 +4,10 @@ Decodes a held-out task sample with the slot decoder for every cache mode x thre
 and prints tokens/s, steps per request, accuracy and the measured refresh / reuse step times. Then
 times single refresh and reuse steps of the tiny model and of a llada_8b-shaped model with two
 layers and random bf16 weights at canvas 1024, block 32: how the step-cost ratio grows with length.
+
+With --scaling it instead measures tokens/s against batch size on a fixed random-checkpoint
+workload and where a step's time goes (bench/scaling.py); --against TREE times another source
+tree of this project side by side, interleaved, in the same run.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 CACHES = ("none", "prefix", "dual")
 
@@ -190,6 +195,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-length", type=int, default=d.block_length, help="block length (default 32)")
     p.add_argument("--seed", type=int, default=d.seed, help="problem sampling seed (default 0)")
     p.add_argument("--no-big-model", action="store_true", help="skip the llada_8b-shaped step timing")
+    p.add_argument("--scaling", action="store_true",
+                   help="instead: tokens/s against batch size on a random 4-layer LLaDA-format checkpoint (prompt 32, "
+                        "answer 128, block 32, one token per step) and the per-step time breakdown")
+    p.add_argument("--against", default=None, metavar="TREE",
+                   help="with --scaling: also time the dilaserve_jax of this source tree, interleaved with this one")
+    p.add_argument("--scaling-batches", type=int, nargs="+", default=[1, 8, 16, 32, 64],
+                   help="with --scaling: batch sizes (default 1 8 16 32 64)")
+    p.add_argument("--breakdown-batches", type=int, nargs="*", default=[1, 8, 32],
+                   help="with --scaling: batch sizes of the per-step breakdown (default 1 8 32; none to skip)")
+    p.add_argument("--breakdown-caches", nargs="+", default=["dual"], choices=CACHES,
+                   help="with --scaling: cache modes of the per-step breakdown (default dual)")
+    p.add_argument("--repeats", type=int, default=3, help="with --scaling: timed rounds after warm-up (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     return p
@@ -198,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     progress = not args.no_progress
+    if args.scaling:
+        return scaling_main(args, progress)
     try:
         cfg = BenchConfig(args.model, args.per_task, tuple(args.taus), tuple(args.caches), tuple(args.batches),
                           args.block_length, args.seed, not args.no_big_model)
@@ -223,6 +242,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model {model.source}; {rows[0]['requests']} held-out requests per row; tok/s = committed tokens "
               f"per wall second; speedup vs (none, tau 1) at the same batch")
         print(format_tables(rows, steps))
+    return 0
+
+
+def scaling_main(args, progress: bool) -> int:
+    from dilaserve_jax.bench.scaling import OWN_TREE, ScalingConfig, format_scaling, run_scaling
+
+    try:
+        cfg = ScalingConfig(tuple(args.scaling_batches), tuple(args.caches), block=args.block_length,
+                            repeats=args.repeats, breakdown_batches=tuple(args.breakdown_batches),
+                            breakdown_caches=tuple(args.breakdown_caches))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    trees = {"this": OWN_TREE}
+    if args.against:
+        if not (Path(args.against) / "dilaserve_jax" / "__init__.py").exists():
+            print(f"error: {args.against} is not a source tree of this project", file=sys.stderr)
+            return 2
+        trees["against"] = Path(args.against)
+    t0 = time.perf_counter()
+    result = run_scaling(cfg, trees, progress)
+    if args.json:
+        print(json.dumps(result | {"config": asdict(cfg), "seconds": time.perf_counter() - t0}, indent=1, default=str))
+    else:
+        print("tokens/s = committed tokens per wall second of generate_many, median of "
+              f"{cfg.repeats} interleaved rounds after a warm-up; trees: "
+              + "; ".join(f"{k} = {v}" for k, v in result["trees"].items()))
+        print(format_scaling(result))
     return 0
 
 

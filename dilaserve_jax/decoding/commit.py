@@ -31,9 +31,16 @@ def propose(logits, mask_id: int, temperature, keys):
         return jnp.argmax(row_logits / temp + gumbel, axis=-1)
 
     sampling = temperature > 0
-    safe_temp = jnp.where(sampling, temperature, 1.0)
-    sampled = jax.vmap(sample)(keys, logits, safe_temp)
-    tokens = jnp.where(sampling[:, None], sampled, greedy)
+
+    def with_sampling():
+        safe_temp = jnp.where(sampling, temperature, 1.0)
+        sampled = jax.vmap(sample)(keys, logits, safe_temp)
+        return jnp.where(sampling[:, None], sampled, greedy)
+
+    # Gumbel noise for every row and vocabulary entry (threefry bits, two logs) was a measurable
+    # share of a greedy step (docs/decoding.md), so an all-greedy batch skips drawing it; a
+    # sampling row draws the same noise whatever shares its batch.
+    tokens = jax.lax.cond(jnp.any(sampling), with_sampling, lambda: greedy)
     picked = jnp.take_along_axis(shifted, tokens[..., None], axis=-1)[..., 0]
     return tokens.astype(jnp.int32), jnp.exp(picked) / denom
 

@@ -2,12 +2,26 @@
 
 `decode_step(graphdef, params, state, slots, taus, shape=..., cfg=...)` gathers the slots' rows,
 runs one model forward (full canvas, or the current block / block + suffix against the cache),
-commits by the threshold rule, and scatters canvas, K/V and block progress back.
+turns the commit window's hidden rows into proposals (decoding/proposal.py), commits by the
+threshold rule, and writes back what the step changed.
+
+What a step writes into the (donated) state, so that its cost follows the work and not the canvas:
+- every step: the commit window of each slot's canvas row, and its block start, τ and step count;
+- a refresh: the K/V of positions [0, length bucket) of each slot (it computed all of them);
+- a reuse step: no K/V at all. It recomputes every position whose cached K/V is stale (the
+  block, with shifted logits also the row before it; in prefix mode also everything after it) and
+  attends to those fresh values, so what it computes is never read later: the slot's next step is
+  another reuse, which recomputes the same positions, or a refresh. The cache thus always holds the
+  last refresh's K/V. A slot whose cache is not its own (just admitted or resumed, its block just
+  finished, weights reloaded) must refresh before it reuses (SlotDecoder.step enforces it).
 
 Padding: batch rows beyond the real slots carry slot index S (one past the last slot). Reads clamp
 it to a real slot (its results are computed and discarded) and every write uses mode="drop", so a
 padded row can never change the state. Padded query rows use position `shape.length`, which the
-model (and `write_kv`) drop from cache writes.
+model drops from its cache overlay.
+
+Every stage runs under a jax.named_scope (state_gather, layers, lm_head, proposal, commit,
+state_write) so profiles of the compiled step can be split by stage (bench/step_profile.py).
 """
 from __future__ import annotations
 
@@ -17,12 +31,14 @@ import jax
 import jax.numpy as jnp
 
 from dilaserve_jax.decoding.buckets import StepShape, StepType
-from dilaserve_jax.decoding.commit import (compact_commits, confidence_histogram, propose, request_finished,
-                                           select_commits)
-from dilaserve_jax.decoding.shift import logit_rows, reuse_query_start
+from dilaserve_jax.decoding.commit import compact_commits, confidence_histogram, request_finished, select_commits
+from dilaserve_jax.decoding.proposal import block_proposals
+from dilaserve_jax.decoding.shift import reuse_query_start
 from dilaserve_jax.decoding.state import DecodeState
 from dilaserve_jax.models.config import ModelConfig
-from dilaserve_jax.models.llada import LayerKV, forward, write_kv
+from dilaserve_jax.models.llada import LayerKV, forward_hidden
+
+STAGES = ("state_gather", "layers", "lm_head", "proposal", "commit", "state_write")
 
 
 class StepOutput(NamedTuple):
@@ -41,18 +57,6 @@ def _take_rows(x, slots):
     return jnp.take(x, slots, axis=0, mode="clip")
 
 
-def _write_rows(buf, slots, fresh):
-    """Write fresh [B, length, ...] over rows `slots` of buf [S, L, ...] from position 0.
-
-    Whole-row scatters (one index per slot) are several times faster on CPU than per-position
-    ones, so a shorter length bucket is completed with the rows' own tail first.
-    """
-    fresh = fresh.astype(buf.dtype)
-    if fresh.shape[1] < buf.shape[1]:
-        fresh = jnp.concatenate([fresh, _take_rows(buf, slots)[:, fresh.shape[1]:]], axis=1)
-    return buf.at[slots].set(fresh, mode="drop")
-
-
 def _sampling_keys(seed, steps):
     return jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(seed, steps)
 
@@ -61,66 +65,69 @@ def decode_step(graphdef, params, state: DecodeState, slots, taus, *, shape: Ste
                 cfg: ModelConfig) -> tuple[DecodeState, StepOutput]:
     """One step of `shape.step` over slots [B] (padding rows = state.num_slots) with thresholds taus [B]."""
     length, block, n_q = shape.length, shape.block, shape.queries
-    canvas = _take_rows(state.canvas, slots)[:, :length]  # [B, length]
-    prompt_len, answer_len = _take_rows(state.prompt_len, slots), _take_rows(state.answer_len, slots)
-    block_start, block_len = _take_rows(state.block_start, slots), _take_rows(state.block_len, slots)
+    full_canvas = shape.step in (StepType.FULL, StepType.REFRESH)
+    with jax.named_scope("state_gather"):
+        canvas = _take_rows(state.canvas, slots)[:, :length]  # [B, length]
+        prompt_len, answer_len = _take_rows(state.prompt_len, slots), _take_rows(state.answer_len, slots)
+        block_start, block_len = _take_rows(state.block_start, slots), _take_rows(state.block_len, slots)
+        temperature = _take_rows(state.temperature, slots)
+        keys = _sampling_keys(_take_rows(state.seed, slots), _take_rows(state.steps, slots))
+        cache = None if full_canvas else [LayerKV(_take_rows(kv.k, slots)[:, :length],
+                                                  _take_rows(kv.v, slots)[:, :length]) for kv in state.kv]
     valid_len = prompt_len + answer_len
     block_end = jnp.minimum(block_start + block_len, valid_len)
     window = block_start[:, None] + jnp.arange(block)[None, :]  # [B, block] commit window
     in_block = window < block_end[:, None]
 
     shift = cfg.logits_shift
-    if shape.step in (StepType.FULL, StepType.REFRESH):
-        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (canvas.shape[0], length))
-        rows = logit_rows(window, jnp.zeros_like(block_start), shift)
-        logits, fresh_kv = forward(graphdef, params, canvas, positions, None, valid_len,
-                                   logits_at=jnp.minimum(rows, length - 1))
-    else:
-        query_end = block_end if shape.step is StepType.DUAL else valid_len
-        q_start = reuse_query_start(block_start, shift)
-        q_pos = q_start[:, None] + jnp.arange(n_q)[None, :]
-        positions = jnp.where(q_pos < query_end[:, None], q_pos, length).astype(jnp.int32)
-        q_tokens = jnp.take_along_axis(canvas, jnp.minimum(positions, length - 1), axis=1)
-        cache = [LayerKV(_take_rows(kv.k, slots)[:, :length], _take_rows(kv.v, slots)[:, :length])
-                 for kv in state.kv]
-        rows = logit_rows(window, q_start, shift)
-        logits_at = None if n_q == block and shift == 0 else jnp.minimum(rows, n_q - 1)
-        logits, fresh_kv = forward(graphdef, params, q_tokens, positions, cache, valid_len, logits_at=logits_at)
+    with jax.named_scope("layers"):
+        if full_canvas:
+            query_start = jnp.zeros_like(block_start)
+            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), canvas.shape)
+            hidden, fresh_kv = forward_hidden(graphdef, params, canvas, positions, None, valid_len)
+        else:
+            # Shifted logits: the queries start at the row before the block, which scores its
+            # first position; that row is recomputed against the cache like the block's own.
+            query_start = reuse_query_start(block_start, shift)
+            query_end = block_end if shape.step is StepType.DUAL else valid_len
+            q_pos = query_start[:, None] + jnp.arange(n_q)[None, :]
+            positions = jnp.where(q_pos < query_end[:, None], q_pos, length).astype(jnp.int32)
+            q_tokens = jnp.take_along_axis(canvas, jnp.minimum(positions, length - 1), axis=1)
+            hidden, fresh_kv = forward_hidden(graphdef, params, q_tokens, positions, cache, valid_len)
+    proposals, confidence = block_proposals(graphdef, params, hidden, window, query_start, shift=shift,
+                                            mask_id=cfg.mask_id, temperature=temperature, keys=keys)
 
-    block_tokens = jnp.take_along_axis(canvas, jnp.minimum(window, length - 1), axis=1)
-    masked = in_block & (block_tokens == cfg.mask_id)
-    keys = _sampling_keys(_take_rows(state.seed, slots), _take_rows(state.steps, slots))
-    temperature = _take_rows(state.temperature, slots)
-    proposals, confidence = propose(logits, cfg.mask_id, temperature, keys)
-    commit = select_commits(masked, confidence, taus)
-    new_block_tokens = jnp.where(commit, proposals, block_tokens)
+    with jax.named_scope("commit"):
+        block_tokens = jnp.take_along_axis(canvas, jnp.minimum(window, length - 1), axis=1)
+        masked = in_block & (block_tokens == cfg.mask_id)
+        commit = select_commits(masked, confidence, taus)
+        new_block_tokens = jnp.where(commit, proposals, block_tokens)
+        rows = jnp.arange(canvas.shape[0])[:, None]
+        write_at = jnp.where(in_block, window, length)  # positions past the block (or canvas) drop
+        canvas = canvas.at[rows, write_at].set(new_block_tokens, mode="drop")
+        block_done = ~jnp.any(in_block & (new_block_tokens == cfg.mask_id), axis=1)
+        finished = request_finished(canvas, prompt_len, answer_len, cfg.mask_id, cfg.eos_id)
+        max_conf = jnp.max(jnp.where(masked, confidence, -jnp.inf), axis=1)
+        out_pos, out_tok, n_committed = compact_commits(commit, window, proposals)
+        next_block = jnp.where(block_done, block_start + block_len, block_start)
+        histogram = confidence_histogram(masked, confidence)
 
-    rows = jnp.arange(canvas.shape[0])[:, None]
-    canvas = canvas.at[rows, jnp.where(in_block, window, length)].set(new_block_tokens, mode="drop")
-    block_done = ~jnp.any(in_block & (new_block_tokens == cfg.mask_id), axis=1)
-    finished = request_finished(canvas, prompt_len, answer_len, cfg.mask_id, cfg.eos_id)
-    max_conf = jnp.max(jnp.where(masked, confidence, -jnp.inf), axis=1)
-    out_pos, out_tok, n_committed = compact_commits(commit, window, proposals)
-
-    # Write back whole rows (one index per slot): per-position scatters into the donated state make
-    # XLA CPU copy the whole buffer; row scatters update it in place. Padded rows (slot == S) drop.
-    new_canvas = _write_rows(state.canvas, slots, canvas)
-    new_kv = state.kv
-    if shape.step is StepType.REFRESH:
-        new_kv = tuple(LayerKV(_write_rows(old.k, slots, fresh.k), _write_rows(old.v, slots, fresh.v))
-                       for old, fresh in zip(state.kv, fresh_kv))
-    elif shape.step is not StepType.FULL:
-        new_kv = tuple(LayerKV(_write_rows(old.k, slots, write_kv(cached.k, fresh.k, positions)),
-                               _write_rows(old.v, slots, write_kv(cached.v, fresh.v, positions)))
-                       for old, cached, fresh in zip(state.kv, cache, fresh_kv))
-    next_block = jnp.where(block_done, block_start + block_len, block_start)
-    new_state = state.replace(
-        canvas=new_canvas, kv=new_kv,
-        block_start=state.block_start.at[slots].set(next_block, mode="drop"),
-        tau=state.tau.at[slots].set(taus.astype(jnp.float32), mode="drop"),
-        steps=state.steps.at[slots].add(1, mode="drop"))
-    return new_state, StepOutput(out_pos, out_tok, n_committed, max_conf, block_done, finished,
-                                 confidence_histogram(masked, confidence))
+    with jax.named_scope("state_write"):
+        # Only the window of each canvas row. A slot index S (padding) and a position outside the
+        # block (sent past the state's canvas, which may be longer than this bucket) are dropped.
+        state_at = jnp.where(in_block, window, state.canvas.shape[1])
+        new_canvas = state.canvas.at[slots[:, None], state_at].set(new_block_tokens, mode="drop")
+        new_kv = state.kv
+        if shape.step is StepType.REFRESH:  # positions [0, length) of each row, one window per slot
+            new_kv = tuple(LayerKV(old.k.at[slots, :length].set(fresh.k.astype(old.k.dtype), mode="drop"),
+                                   old.v.at[slots, :length].set(fresh.v.astype(old.v.dtype), mode="drop"))
+                           for old, fresh in zip(state.kv, fresh_kv))
+        new_state = state.replace(
+            canvas=new_canvas, kv=new_kv,
+            block_start=state.block_start.at[slots].set(next_block, mode="drop"),
+            tau=state.tau.at[slots].set(taus.astype(jnp.float32), mode="drop"),
+            steps=state.steps.at[slots].add(1, mode="drop"))
+    return new_state, StepOutput(out_pos, out_tok, n_committed, max_conf, block_done, finished, histogram)
 
 
 def admit_slot(state: DecodeState, slot, row, prompt_len, answer_len, block_start, block_len, temperature, seed,

@@ -141,6 +141,13 @@ class LLaDAModel(nnx.Module):
         Logits are unshifted: with cfg.logits_shift the row of position i scores position i + 1
         (see `shift_logits`).
         """
+        x, new_kv = self.hidden(tokens, positions, kv_cache, valid_len)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
+        return self.logits(x), new_kv
+
+    def hidden(self, tokens, positions, kv_cache: Sequence[LayerKV] | None = None, valid_len=None):
+        """The transformer blocks only: -> (last block's output [B, Q, d_model], per-layer query K/V)."""
         cfg = self.cfg
         b = tokens.shape[0]
         if valid_len is None:
@@ -151,10 +158,11 @@ class LLaDAModel(nnx.Module):
         for i, block in enumerate(self.blocks):
             x, kv = block(x, positions, None if kv_cache is None else kv_cache[i], valid_len)
             new_kv.append(kv)
-        if logits_at is not None:
-            x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
-        logits = self.lm_head(self.ln_f(x)).astype(jnp.float32)
-        return logits, new_kv
+        return x, new_kv
+
+    def logits(self, x):
+        """Final norm and LM head of hidden rows [..., d_model] -> float32 logits [..., V]."""
+        return self.lm_head(self.ln_f(x)).astype(jnp.float32)
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> LLaDAModel:
@@ -165,6 +173,16 @@ def forward(graphdef, params, tokens, positions, kv_cache=None, valid_len=None, 
     """Pure forward over split (graphdef, params): what jitted serving code calls."""
     model = nnx.merge(graphdef, params)
     return model(tokens, positions, kv_cache, valid_len, logits_at)
+
+
+def forward_hidden(graphdef, params, tokens, positions, kv_cache=None, valid_len=None):
+    """Pure `LLaDAModel.hidden`: the blocks' output rows and the queries' K/V, without the LM head."""
+    return nnx.merge(graphdef, params).hidden(tokens, positions, kv_cache, valid_len)
+
+
+def forward_logits(graphdef, params, hidden_rows):
+    """Pure `LLaDAModel.logits`: logits of the given hidden rows (any leading shape)."""
+    return nnx.merge(graphdef, params).logits(hidden_rows)
 
 
 def shift_logits(logits, shift: int):

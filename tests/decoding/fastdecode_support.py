@@ -1,7 +1,10 @@
 """Helpers shared by the fast-decoding tests."""
+import jax.numpy as jnp
 import numpy as np
 
 from dilaserve_jax.decoding.decoder import SlotDecoder
+from dilaserve_jax.decoding.reference import commit_mask, is_finished, propose
+from dilaserve_jax.models.llada import forward, shift_logits
 
 
 def prompts(n: int, seed: int = 0, lo: int = 6, hi: int = 20) -> list[list[int]]:
@@ -25,3 +28,36 @@ def run_to_end(decoder: SlotDecoder, slot_taus: dict[int, float], force_refresh:
                 if out.request_finished:
                     live.discard(out.slot)
     return per_step
+
+
+def plain_cached(graphdef, params, cfg, prompt, gen, block, tau, mode):
+    """Greedy threshold decoding with a block-wise cache refreshed once per block: what the dual and
+    prefix caches mean. Each block starts with a full forward (the refresh), whose K/V become the
+    cache; every later step of the block recomputes the block (dual) or the block and everything
+    after it (prefix) against that cache, and nothing it computes is kept. With shifted logits
+    (cfg.logits_shift = 1) position i is scored by row i - 1, so reuse steps also recompute the row
+    before the block. Returns (final canvas, commits per step, number of reuse steps)."""
+    shift = cfg.logits_shift
+    p, total = len(prompt), len(prompt) + gen
+    canvas = np.array(list(prompt) + [cfg.mask_id] * gen, np.int32)
+    committed, reuses = [], 0
+    for lo in range(p, total, block):
+        hi = min(lo + block, total)
+        cache = None
+        while np.any(canvas[lo:hi] == cfg.mask_id) and not is_finished(canvas, p, cfg.mask_id, cfg.eos_id):
+            if cache is None:  # refresh: every position, its K/V kept for the rest of the block
+                logits, cache = forward(graphdef, params, jnp.asarray(canvas)[None], jnp.arange(total)[None])
+                rows = np.asarray(shift_logits(logits, shift)[0])[lo:hi]
+            else:
+                reuses += 1
+                q_lo, q_end = lo - shift, hi if mode == "dual" else total
+                logits, _ = forward(graphdef, params, jnp.asarray(canvas[q_lo:q_end])[None],
+                                    jnp.arange(q_lo, q_end)[None], cache)
+                rows = np.asarray(logits[0])[:hi - lo]  # row j (position q_lo + j) scores position lo + j
+            proposals, confidence = propose(rows, cfg.mask_id, 0.0, None)
+            commit = commit_mask(canvas[lo:hi] == cfg.mask_id, confidence, tau)
+            canvas[lo:hi] = np.where(commit, proposals, canvas[lo:hi])
+            committed.append(int(commit.sum()))
+        if is_finished(canvas, p, cfg.mask_id, cfg.eos_id):
+            break
+    return canvas, committed, reuses

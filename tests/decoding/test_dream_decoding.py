@@ -8,7 +8,7 @@ from dilaserve_jax.decoding.compiled import CompiledSteps
 from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
 from dilaserve_jax.decoding.reference import generate
 from dilaserve_jax.models import load_model, test_dream
-from fastdecode_support import prompts, run_to_end
+from fastdecode_support import plain_cached, prompts, run_to_end
 from tests.dream_support import random_dream_params, write_dream_checkpoint
 
 LENGTH, BLOCK = 64, 16
@@ -62,6 +62,26 @@ def test_cache_with_refresh_every_step_equals_cache_none(make, mode):
     got_steps = run_to_end(got, {0: 0.5, 1: 0.5}, force_refresh=True)
     assert got_steps == want_steps
     assert [got.canvas(s) for s in range(2)] == [want.canvas(s) for s in range(2)]
+
+
+@pytest.mark.parametrize("mode", ["dual", "prefix"])
+@pytest.mark.parametrize("tau", [1.0, 0.7])  # at 0.5 this sharp model fills each block in its refresh
+def test_cache_modes_equal_the_plain_cached_sampler(dream, make, mode, tau):
+    """Several layers (an approximate cache): reuse steps keep no K/V, yet every step commits what a
+    sampler that keeps only the refresh's K/V and recomputes the row before the block commits."""
+    cfg, graphdef, params = dream
+    ps = [prompts(1, seed=7 + s, lo=p, hi=p)[0] for s, (p, _) in enumerate(CASES)]
+    dec = make(mode)
+    for slot, (prompt, (_, gen)) in enumerate(zip(ps, CASES)):
+        dec.admit(slot, prompt, gen, BLOCK)
+    per_step = run_to_end(dec, {0: tau, 1: tau})
+    reuse_steps = 0
+    for slot, (prompt, (_, gen)) in enumerate(zip(ps, CASES)):
+        canvas, committed, reuses = plain_cached(graphdef, params, cfg, prompt, gen, BLOCK, tau, mode)
+        assert per_step[slot] == committed
+        assert dec.canvas(slot) == canvas.tolist()
+        reuse_steps += reuses
+    assert reuse_steps > 0  # the reuse path really ran
 
 
 def _steps(dec: SlotDecoder, slot: int, tau: float) -> list[tuple[bool, tuple[int, ...]]]:

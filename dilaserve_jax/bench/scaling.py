@@ -1,0 +1,203 @@
+"""Decode throughput against batch size on a fixed workload, optionally side by side with another
+source tree (`python -m dilaserve_jax.bench.decode --scaling [--against TREE]`).
+
+The workload: a random LLaDA-format checkpoint (SCALING_MODEL: 4 layers, d_model 256, 8 heads,
+vocabulary 512, float32, LLaDA's 3 x d_model MLP) written with `save_hf_checkpoint` and loaded
+with `load_model`; per row a 32-token prompt, a 128-token answer, block 32, τ = 1 (one token per
+step), greedy. The LM head's EOS column is zero, so EOS (logit 0) is never the argmax of 511
+random logits and every row decodes all 128 positions: every row does the same work (checked).
+
+Each tree runs in its own worker process (bench/scaling_worker.py). Cells are timed in rounds:
+a warm-up round (compiles; for none and dual it decodes one block per row, on the same decoder,
+canvas bucket and executables as the timed rounds), then `repeats` rounds; within a round every (cache, batch) cell runs
+in each tree back to back, the trees' order alternating between rounds, so both see the same
+machine load. tokens/s = committed tokens / wall seconds of generate_many; tokens/cpu-s = the same
+tokens / the worker's CPU seconds (all threads), a measure of work that a busy shared machine
+disturbs less than wall time; the median round of each is kept. Digests of the answers must agree across rounds and trees (same greedy tokens).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from dilaserve_jax.models.config import ModelConfig
+
+WORKER = Path(__file__).with_name("scaling_worker.py")
+OWN_TREE = Path(__file__).resolve().parents[2]
+CACHES = ("none", "prefix", "dual")
+BREAKDOWN_REPEATS = 5
+# Steps one breakdown takes inside the first block (τ 1: one commit each): the refresh after
+# admission, time_step_parts (2 * repeats + 1) and stage_profile (1 + 3).
+BREAKDOWN_STEPS = 1 + 2 * BREAKDOWN_REPEATS + 1 + 4
+
+SCALING_MODEL = ModelConfig(
+    name="llada-random-4x256", vocab_size=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=8, head_dim=32,
+    mlp_hidden=768, max_len=512, mask_id=2, eos_id=1, pad_id=0)
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingConfig:
+    batches: tuple[int, ...] = (1, 8, 16, 32, 64)
+    caches: tuple[str, ...] = CACHES
+    prompt: int = 32
+    answer: int = 128
+    block: int = 32
+    repeats: int = 3
+    breakdown_batches: tuple[int, ...] = (1, 8, 32)
+    breakdown_caches: tuple[str, ...] = ("dual",)
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.batches or min(self.batches) < 1 or min(self.breakdown_batches, default=1) < 1:
+            raise ValueError("batch sizes must be positive")
+        if not self.caches or not set(self.caches) | set(self.breakdown_caches) <= set(CACHES):
+            raise ValueError(f"caches must be a non-empty subset of {CACHES}")
+        if min(self.prompt, self.answer, self.block, self.repeats) < 1:
+            raise ValueError("prompt, answer, block and repeats must be positive")
+        if self.breakdown_batches and min(self.block, self.answer) < BREAKDOWN_STEPS:
+            raise ValueError(f"a breakdown takes {BREAKDOWN_STEPS} steps inside one block: block and answer must be "
+                             f">= {BREAKDOWN_STEPS}")
+        if self.prompt + self.answer > SCALING_MODEL.max_len:
+            raise ValueError(f"prompt + answer must fit {SCALING_MODEL.max_len} positions")
+
+
+def write_checkpoint(directory: str | Path, seed: int = 0) -> Path:
+    """The random benchmark checkpoint (see the module docstring) plus a word-level tokenizer.json."""
+    from flax import nnx
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dilaserve_jax.models.hf import save_hf_checkpoint
+    from dilaserve_jax.models.llada import init_model
+
+    cfg = SCALING_MODEL
+    model = init_model(cfg, seed)
+    model.lm_head.kernel[...] = model.lm_head.kernel[...].at[:, cfg.eos_id].set(0.0)
+    save_hf_checkpoint(directory, cfg, nnx.split(model)[1])
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(cfg.vocab_size)}, unk_token=f"t{cfg.pad_id}"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(Path(directory) / "tokenizer.json"))
+    return Path(directory)
+
+
+class Worker:
+    """A scaling_worker.py process importing dilaserve_jax from `tree`."""
+
+    def __init__(self, label: str, tree: str | Path, checkpoint: Path):
+        self.label, self.tree = label, str(tree)
+        self.proc = subprocess.Popen([sys.executable, str(WORKER), self.tree, str(checkpoint)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.source = self._read()["ready"]
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.label} worker ({self.tree}) exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def ask(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        reply = self._read()
+        if "error" in reply:
+            raise RuntimeError(f"{self.label}: {reply['error']}")
+        return reply
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def run_scaling(cfg: ScalingConfig, trees: dict[str, str | Path], progress: bool = True,
+                checkpoint_dir: str | Path | None = None) -> dict:
+    """Time every (cache, batch) cell in every tree, interleaved; then the per-step breakdowns."""
+    from tqdm.auto import tqdm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = write_checkpoint(checkpoint_dir or tmp, cfg.seed)
+        workers = [Worker(label, tree, checkpoint) for label, tree in trees.items()]
+        try:
+            cells = [(c, b) for c in cfg.caches for b in cfg.batches]
+            shape = {"prompt": cfg.prompt, "answer": cfg.answer, "block": cfg.block, "seed": cfg.seed}
+            runs: dict[tuple, list[dict]] = {}
+            bar = tqdm(total=(1 + cfg.repeats) * len(cells) * len(workers), desc="scaling cells", unit="run",
+                       file=sys.stderr, disable=not progress)
+            for rnd in range(1 + cfg.repeats):  # round 0 warms up (compiles) and is not kept
+                order = workers if rnd % 2 == 0 else workers[::-1]
+                for cache, batch in cells:
+                    for w in order:
+                        bar.set_postfix_str(f"round {rnd} {w.label} {cache} b{batch}")
+                        # Warm-up: one block per row, except prefix, whose query buckets follow
+                        # what is left of the answer (a short answer would not compile them all).
+                        short = rnd == 0 and cache != "prefix"
+                        warm_up = {"run_answer": min(cfg.block, cfg.answer)} if short else {}
+                        reply = w.ask(op="generate", cache=cache, batch=batch, **shape, **warm_up)
+                        if rnd and reply["tokens"] != batch * cfg.answer:
+                            raise RuntimeError(f"{w.label} {cache} b{batch}: {reply['tokens']} tokens committed, "
+                                               f"expected {batch * cfg.answer} (a row finished early)")
+                        if rnd:
+                            runs.setdefault((w.label, cache, batch), []).append(reply)
+                        bar.update(1)
+            bar.close()
+            rows = []
+            for cache, batch in cells:
+                row = {"cache": cache, "batch": batch}
+                digests = set()
+                for w in workers:
+                    got = runs[(w.label, cache, batch)]
+                    row[w.label] = statistics.median(r["tokens"] / r["seconds"] for r in got)
+                    row[w.label + "_all"] = [r["tokens"] / r["seconds"] for r in got]
+                    row[w.label + "_cpu"] = statistics.median(r["tokens"] / r["cpu_seconds"] for r in got)
+                    digests |= {r["digest"] for r in got}
+                row["same_tokens"] = len(digests) == 1
+                rows.append(row)
+            breakdown = []
+            for cache in cfg.breakdown_caches:
+                for batch in cfg.breakdown_batches:
+                    for w in workers:
+                        parts = w.ask(op="breakdown", cache=cache, batch=batch, repeats=BREAKDOWN_REPEATS, **shape)
+                        breakdown.extend({"tree": w.label, "cache": cache, "batch": batch, "kind": kind, **p}
+                                         for kind, p in parts.items())
+        finally:
+            for w in workers:
+                w.close()
+    return {"config": cfg, "trees": {w.label: w.source for w in workers}, "rows": rows, "breakdown": breakdown}
+
+
+def format_scaling(result: dict) -> str:
+    labels = list(result["trees"])
+    head = f"{'cache':<7}{'batch':>6}" + "".join(f"{label + ' tok/s':>16}" for label in labels)
+    if len(labels) > 1:
+        head += f"{'ratio':>8}{'same tokens':>13}"
+    head += "".join(f"{label + ' tok/cpu-s':>18}" for label in labels)
+    if len(labels) > 1:
+        head += f"{'ratio':>8}"
+    lines = [head, "-" * len(head)]
+    for r in result["rows"]:
+        line = f"{r['cache']:<7}{r['batch']:>6}" + "".join(f"{r[label]:>16.0f}" for label in labels)
+        if len(labels) > 1:
+            line += f"{r[labels[0]] / r[labels[1]]:>7.2f}x{'yes' if r['same_tokens'] else 'NO':>13}"
+        line += "".join(f"{r[label + '_cpu']:>18.0f}" for label in labels)
+        if len(labels) > 1:
+            line += f"{r[labels[0] + '_cpu'] / r[labels[1] + '_cpu']:>7.2f}x"
+        lines.append(line)
+    if result["breakdown"]:
+        stages = list(dict.fromkeys(s for b in result["breakdown"] for s in b["busy_ms"]))
+        kinds = list(dict.fromkeys(k for b in result["breakdown"] for k in b.get("kind_busy_ms", {})))
+        lines += ["", "per step (ms, medians; out % = outside / step, min % = the same from each one's fastest run; "
+                      "stages and op kinds = CPU-thread busy ms inside the compiled step)",
+                  f"{'tree':<10}{'cache':<7}{'batch':>6} {'kind':<8}{'step':>8}{'compiled':>9}{'outside':>8}"
+                  f"{'out %':>6}{'min %':>6}{'copy':>6}" + "".join(f"{s[:11]:>12}" for s in stages)
+                  + "".join(f"{k[:11]:>12}" for k in kinds) + f"{'GFLOP':>7}{'MB':>7}"]
+        for b in result["breakdown"]:
+            lines.append(f"{b['tree']:<10}{b['cache']:<7}{b['batch']:>6} {b['kind']:<8}{b['step_ms']:>8.2f}"
+                         f"{b['compiled_ms']:>9.2f}{b['outside_ms']:>8.2f}{100 * b['outside_ms'] / b['step_ms']:>6.1f}"
+                         f"{100 * b['outside_min_ms'] / b['step_min_ms']:>6.1f}"
+                         f"{b['result_copy_ms']:>6.2f}" + "".join(f"{b['busy_ms'].get(s, 0.0):>12.2f}" for s in stages)
+                         + "".join(f"{b.get('kind_busy_ms', {}).get(k, 0.0):>12.2f}" for k in kinds)
+                         + f"{b['flops'] / 1e9:>7.2f}{b['bytes_accessed'] / 1e6:>7.0f}")
+    return "\n".join(lines)

@@ -1,0 +1,168 @@
+"""Where a decode step's time goes: host overhead versus the compiled computation, and the
+compiled computation split by stage.
+
+Two measurements of one step shape on a live SlotDecoder:
+- `time_step_parts`: the step as the engine runs it (`SlotDecoder.step`, wall clock) against the
+  compiled executable alone (called on device-resident inputs and waited for), so that
+  `outside_ms` = step - compiled is everything the host adds (argument transfers, dispatch, the
+  result copy, the slot table); `result_copy_ms` times the copy of the step's outputs alone.
+- `stage_profile`: a JAX profiler trace of the same executable; each XLA operation's time on
+  every CPU thread is charged to the `jax.named_scope` stage its HLO carries (decoding/steps.py
+  names them) and to its kind (matmul, data movement, elementwise; `op_kind`), nested operations
+  counted once (exclusive time). The shares are of thread
+  busy time, which on several threads can exceed the wall time; untagged operations are "other".
+  Executor bookkeeping and idle waits between operations are not charged to any stage.
+
+The direct executable calls commit tokens the host mirror never sees: time on a throwaway decoder.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from dilaserve_jax.decoding.compiled import put_small
+from dilaserve_jax.decoding.decoder import SlotDecoder
+
+try:
+    from dilaserve_jax.decoding.steps import STAGES
+except ImportError:  # a source tree whose steps name no stages (timed side by side): all "other"
+    STAGES = ()
+
+OTHER = "other"
+# What an XLA CPU operation does, from the first word of its name (fusions are named after their
+# root operations): matrix products, or moving data without arithmetic, or anything else.
+OP_KINDS = ("matmul", "data_movement", "elementwise")
+_DATA_MOVEMENT = {"gather", "scatter", "wrapped", "copy", "transpose", "concatenate", "slice", "dynamic",
+                  "bitcast", "pad", "reverse", "broadcast", "iota"}
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name="([^"]*)"')
+
+
+def _executable(decoder: SlotDecoder, refresh: bool, slots: list[int]):
+    info = decoder._slots[slots[0]]
+    shape = decoder._shape(refresh, slots, info.length, info.block)
+    return shape, decoder.compiled.get(shape, decoder.params, decoder.state, decoder._placement)
+
+
+def _arguments(decoder: SlotDecoder, shape, slots: list[int], taus: list[float]):
+    pad = shape.batch - len(slots)
+    return (put_small(slots + [decoder.num_slots] * pad, np.int32, decoder._small),
+            put_small(taus + [1.0] * pad, np.float32, decoder._small))
+
+
+def time_step_parts(decoder: SlotDecoder, refresh: bool, slots: list[int], repeats: int = 5) -> dict:
+    """Median (and minimum) ms of the engine's step, of the compiled executable alone and of the
+    result copy.
+
+    Runs 2 * repeats + 1 steps of kind `refresh` over `slots` (τ = 1) on `decoder`, whose slots
+    must not finish meanwhile; afterwards its host mirror no longer matches the device state.
+    The executable alone gets device-resident arguments and is waited for; the step and the
+    compiled call alternate, so both see the same machine load.
+    """
+    taus = [1.0] * len(slots)
+    decoder.step(refresh, slots, taus)  # the first call of a shape may do one-off work
+    shape, exe = _executable(decoder, refresh, slots)
+    args = _arguments(decoder, shape, slots, taus)
+    jax.block_until_ready(args)
+    step, compiled, copy = [], [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        decoder.step(refresh, slots, taus)
+        step.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        decoder.state, out = exe(decoder.params, decoder.state, *args)
+        jax.block_until_ready((decoder.state, out))
+        compiled.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        jax.device_get(out)
+        copy.append(time.perf_counter() - t0)
+    ms = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
+    # Minima too: on a shared machine the fastest run of each is the one least disturbed by others.
+    return {"step_ms": ms(step), "compiled_ms": ms(compiled), "outside_ms": ms(step) - ms(compiled),
+            "step_min_ms": 1e3 * min(step), "compiled_min_ms": 1e3 * min(compiled),
+            "outside_min_ms": 1e3 * (min(step) - min(compiled)), "result_copy_ms": ms(copy), "shape": shape}
+
+
+def hlo_stages(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> the decode stage named in its op_name (innermost wins), else OTHER."""
+    stages = {}
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        parts = m.group(2).split("/")
+        stages[m.group(1)] = next((p for p in reversed(parts) if p in STAGES), OTHER)
+    return stages
+
+
+def op_kind(name: str) -> str:
+    """OP_KINDS entry of an HLO instruction name (e.g. ynn_fusion.3, transpose_copy_fusion.1)."""
+    first = re.split(r"[_.\-]", name, maxsplit=1)[0]
+    if first in ("ynn", "dot", "convolution", "onednn", "custom"):
+        return "matmul"
+    return "data_movement" if first in _DATA_MOVEMENT else "elementwise"
+
+
+def _exclusive_by_name(trace_events: list[dict]) -> dict[str, float]:
+    """Sum of exclusive durations (µs) per event name over every thread (children subtracted)."""
+    by_thread = defaultdict(list)
+    for e in trace_events:
+        if e.get("ph") == "X" and "dur" in e:
+            by_thread[(e.get("pid"), e.get("tid"))].append((float(e["ts"]), float(e["dur"]), e["name"]))
+    totals: dict[str, float] = defaultdict(float)
+    for events in by_thread.values():
+        events.sort(key=lambda x: (x[0], -x[1]))
+        stack: list[list] = []  # [end, name, exclusive]
+        for ts, dur, name in events:
+            while stack and stack[-1][0] <= ts:
+                done = stack.pop()
+                totals[done[1]] += done[2]
+            if stack:
+                stack[-1][2] -= dur
+            stack.append([ts + dur, name, dur])
+        for done in stack:
+            totals[done[1]] += done[2]
+    return totals
+
+
+def stage_profile(decoder: SlotDecoder, refresh: bool, slots: list[int], repeats: int = 3) -> dict:
+    """Thread-busy ms per step of the compiled executable, from a profiler trace: per stage
+    (`busy_ms`) and per OP_KINDS entry (`kind_busy_ms`); plus XLA's cost analysis of the step.
+
+    Also runs 1 + repeats steps on `decoder` outside its host mirror (see the module docstring).
+    """
+    taus = [1.0] * len(slots)
+    shape, exe = _executable(decoder, refresh, slots)
+    stages = hlo_stages(exe.as_text())
+    args = _arguments(decoder, shape, slots, taus)
+    decoder.state, out = exe(decoder.params, decoder.state, *args)
+    jax.block_until_ready(out)
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            for _ in range(repeats):
+                decoder.state, out = exe(decoder.params, decoder.state, *args)
+                jax.block_until_ready((decoder.state, out))
+        trace_file = next(Path(tmp).rglob("perfetto_trace.json.gz"))
+        with gzip.open(trace_file) as f:
+            data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    per_stage: dict[str, float] = defaultdict(float)
+    per_kind: dict[str, float] = defaultdict(float)
+    for name, micros in _exclusive_by_name(events).items():
+        if name in stages:
+            per_stage[stages[name]] += micros
+            per_kind[op_kind(name)] += micros
+    busy = {stage: per_stage.get(stage, 0.0) / 1e3 / repeats for stage in (*STAGES, OTHER)}
+    kinds = {kind: per_kind.get(kind, 0.0) / 1e3 / repeats for kind in OP_KINDS}
+    cost = exe.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return {"busy_ms": busy, "kind_busy_ms": kinds, "flops": float(cost.get("flops", 0.0)),
+            "bytes_accessed": float(cost.get("bytes accessed", 0.0))}

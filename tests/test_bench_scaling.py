@@ -1,0 +1,49 @@
+"""bench.scaling: its configuration, the random checkpoint it decodes and the side-by-side driver."""
+import numpy as np
+import pytest
+
+from dilaserve_jax.bench.scaling import OWN_TREE, SCALING_MODEL, ScalingConfig, format_scaling, run_scaling, write_checkpoint
+from dilaserve_jax.models import load_model
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        ScalingConfig(batches=(0,))
+    with pytest.raises(ValueError):
+        ScalingConfig(caches=("lru",))
+    with pytest.raises(ValueError):
+        ScalingConfig(prompt=400, answer=200)
+    with pytest.raises(ValueError, match="breakdown"):
+        ScalingConfig(block=8)
+    ScalingConfig(block=8, breakdown_batches=())
+
+
+def test_checkpoint_loads_as_written_and_never_proposes_eos(tmp_path):
+    m = load_model(write_checkpoint(tmp_path / "ckpt"))
+    assert m.config.replace(name=SCALING_MODEL.name) == SCALING_MODEL
+    head = np.asarray(m.params["lm_head"]["kernel"][...])
+    assert head.shape == (256, 512) and not head[:, SCALING_MODEL.eos_id].any() and head[:, 3].any()
+    assert m.tokenizer.vocab_size == 512 and m.tokenizer.encode("t7 t300") == [7, 300]
+
+
+def test_table_shows_both_trees_and_flags_different_tokens():
+    row = {"cache": "dual", "batch": 8, "this": 400.0, "against": 200.0, "this_cpu": 300.0, "against_cpu": 250.0,
+           "same_tokens": False}
+    step = {"tree": "this", "cache": "dual", "batch": 8, "kind": "reuse", "step_ms": 10.0, "compiled_ms": 9.0,
+            "outside_ms": 1.0, "step_min_ms": 8.0, "compiled_min_ms": 7.6, "outside_min_ms": 0.4, "result_copy_ms": 0.1, "busy_ms": {"layers": 8.0, "other": 1.0}, "flops": 2e9,
+            "bytes_accessed": 2e8}
+    table = format_scaling({"trees": {"this": "a", "against": "b"}, "rows": [row], "breakdown": [step]})
+    line = table.splitlines()[2]
+    assert "2.00x" in line and "NO" in line and "1.20x" in line
+    assert "10.0" in table.splitlines()[-1] and "5.0" in table.splitlines()[-1]  # outside = 10% (5% at the minima)
+
+
+@pytest.mark.slow
+def test_two_workers_of_one_tree_agree_token_for_token(tmp_path):
+    cfg = ScalingConfig(batches=(2,), caches=("dual",), prompt=4, answer=16, block=16, repeats=1,
+                        breakdown_batches=(1,))
+    result = run_scaling(cfg, {"this": OWN_TREE, "again": OWN_TREE}, progress=False, checkpoint_dir=tmp_path)
+    assert [(r["cache"], r["batch"]) for r in result["rows"]] == [("dual", 2)]
+    assert all(r["same_tokens"] and r["this"] > 0 and r["again"] > 0 for r in result["rows"])
+    kinds = {(b["tree"], b["kind"]) for b in result["breakdown"]}
+    assert kinds == {(t, k) for t in ("this", "again") for k in ("refresh", "reuse")}
