@@ -94,7 +94,7 @@ class Request:
     moves: int = 0  # times it changed instance (migration, failure, reconfiguration)
 
     def __post_init__(self) -> None:
-        self.prompt_tokens = tuple(int(t) for t in self.prompt_tokens)
+        self.prompt_tokens = tuple(map(int, self.prompt_tokens))
         if not self.id:
             raise ValueError("request id must be non-empty")
         if self.answer_length <= 0 or self.block_length <= 0:

@@ -109,6 +109,7 @@ class TokensPerStep:
         pts = sorted(cfg.prior)  # ascending τ
         self._rates = [_interp(t, pts) for t in cfg.grid]
         self.counts = [0] * len(cfg.grid)
+        self._curve: list[tuple[float, float]] | None = None  # monotone curve, rebuilt after an observation
 
     def bucket(self, tau: float) -> int:
         return min(range(len(self.cfg.grid)), key=lambda i: abs(self.cfg.grid[i] - tau))
@@ -117,14 +118,17 @@ class TokensPerStep:
         i = self.bucket(tau)
         self._rates[i] += self.cfg.ema * (n_committed - self._rates[i])
         self.counts[i] += 1
+        self._curve = None
 
     def rate(self, tau: float) -> float:
         """Interpolated, and monotone: a lower τ never predicts fewer tokens than a higher one."""
-        mono, best = [], 0.0
-        for r in self._rates:  # grid descends in τ
-            best = max(best, r)
-            mono.append(best)
-        return max(1.0, _interp(tau, sorted(zip(self.cfg.grid, mono))))
+        if self._curve is None:  # called per request per τ per step: build the curve once per change
+            mono, best = [], 0.0
+            for r in self._rates:  # grid descends in τ
+                best = max(best, r)
+                mono.append(best)
+            self._curve = sorted(zip(self.cfg.grid, mono))
+        return max(1.0, _interp(tau, self._curve))
 
     def snapshot(self) -> dict[float, float]:
         return {t: round(self.rate(t), 4) for t in self.cfg.grid}

@@ -79,11 +79,23 @@ class StepTimeModel:
             t = self.latency.predict(kind, b, l, block, tp)
         return t + self.overhead_s
 
-    def sample(self, kind: StepKind, batch: int, canvas: int, block: int, tp: int, rng: np.random.Generator) -> float:
-        t = self.mean(kind, batch, canvas, block, tp)
+    def batch_seconds(self, kind: StepKind, shapes: Sequence[tuple[int, int]], tp: int, rng: np.random.Generator) -> float:
+        """One step over requests of (canvas, block) shapes. With length buckets, as the real decoder
+        runs it: one compiled step per (length bucket, block) group, back to back; without, one step
+        padded to the longest canvas. Noise multiplies the step, the overhead is added once."""
+        if self.length_buckets:
+            groups: dict[tuple[int, int], int] = {}
+            for canvas, block in shapes:
+                key = (_bucket(canvas, self.length_buckets), block)
+                groups[key] = groups.get(key, 0) + 1
+            t = sum(self.mean(kind, n, l, k, tp) - self.overhead_s for (l, k), n in groups.items())
+        else:
+            t = self.mean(kind, len(shapes), max(c for c, _ in shapes), max(k for _, k in shapes), tp) - self.overhead_s
         if isinstance(self.noise, float):
-            return t if self.noise == 0 else t * math.exp(self.noise * rng.standard_normal() - self.noise ** 2 / 2)
-        return t * self.noise[int(rng.integers(len(self.noise)))]
+            f = 1.0 if self.noise == 0 else math.exp(self.noise * rng.standard_normal() - self.noise ** 2 / 2)
+        else:
+            f = self.noise[int(rng.integers(len(self.noise)))]
+        return t * f + self.overhead_s
 
 
 @dataclass(slots=True)
@@ -91,7 +103,6 @@ class _Slot:
     plan: RequestPlan
     prompt_len: int
     progress: Progress
-    rng: np.random.Generator
     needs_refresh: bool = True
 
 
@@ -128,7 +139,7 @@ class ModelledRunner:
         if committed is not None:  # resume: commits are in position order here, so a prefix is filled
             done = next((i for i, t in enumerate(committed) if t is None), answer_length)
         prog = Progress(done // block_length, done % block_length, done, steps_done)
-        self.slots[slot] = _Slot(plan, len(prompt_tokens), prog, self.quality.rng(seed, 3, steps_done))
+        self.slots[slot] = _Slot(plan, len(prompt_tokens), prog)
 
     def release(self, slot: int) -> None:
         if self.slots.pop(slot, None) is None:
@@ -141,9 +152,8 @@ class ModelledRunner:
         for s, st in zip(slots, states):
             if st.needs_refresh != (kind == StepKind.REFRESH):
                 raise ValueError(f"slot {s} needs {'REFRESH' if st.needs_refresh else 'REUSE'}, got {kind.name}")
-        canvas = max(st.prompt_len + st.plan.answer_length for st in states)
-        block = max(st.plan.block_length for st in states)
-        dt = self.step_time.sample(kind, len(slots), canvas, block, self.tp_degree, self.rng)
+        dt = self.step_time.batch_seconds(kind, [(st.prompt_len + st.plan.answer_length, st.plan.block_length)
+                                                 for st in states], self.tp_degree, self.rng)
         out = [self._advance(s, st, tau) for s, st, tau in zip(slots, states, taus)]
         self.clock.advance(dt)
         self.steps_run += 1
@@ -151,7 +161,7 @@ class ModelledRunner:
         return out
 
     def _advance(self, slot: int, st: _Slot, tau: float) -> SlotOutcome:
-        first, n, block_done, finished = advance(self.quality, st.plan, st.progress, tau, st.rng)
+        first, n, block_done, finished = advance(self.quality, st.plan, st.progress, tau)
         st.needs_refresh = block_done
         return SlotOutcome(slot, tuple(range(first, first + n)), (TOKEN,) * n, n, min(1.0, tau + 0.05), block_done,
                            finished)
@@ -160,12 +170,11 @@ class ModelledRunner:
         return [TOKEN] * self.slots[slot].progress.committed
 
 
-def advance(quality: QualityModel, plan: RequestPlan, prog: Progress, tau: float,
-            rng: np.random.Generator) -> tuple[int, int, bool, bool]:
+def advance(quality: QualityModel, plan: RequestPlan, prog: Progress, tau: float) -> tuple[int, int, bool, bool]:
     """One step of one request at τ: commits the positions the quality model says, never past the
     block (the commit rule works within the current block), at least one (the argmax always
     commits). Returns (first position, count, block finished, request finished)."""
-    n, block_done, finished = quality.commit(plan, prog, tau, rng)
+    n, block_done, finished = quality.commit(plan, prog, tau)
     block_end = min(plan.answer_length, (prog.block + 1) * plan.block_length)
     first = prog.committed
     n = max(1, min(n, block_end - first))

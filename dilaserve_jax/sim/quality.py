@@ -25,8 +25,10 @@ between instances continues exactly as it would have in place.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import math
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
@@ -161,9 +163,13 @@ class QualityModel:
         return cls(name=str(table.get("model", "published")), grid=grid, table=table, seed=seed,
                    source=str(table.get("source", "")))
 
-    # --- per-request randomness ---
-    def rng(self, key: int, *salt: int) -> np.random.Generator:
-        return np.random.default_rng([self.seed, int(key) & 0x7FFFFFFFFFFFFFFF, *salt])
+    # --- per-request randomness: stateless draws keyed by (model seed, request key, what, index) ---
+    def uniform(self, key: int, *salt: int) -> float:
+        return uniform(self.seed, key, *salt)
+
+    def normal(self, key: int, *salt: int) -> float:
+        u1, u2 = self.uniform(key, *salt, 0), self.uniform(key, *salt, 1)
+        return math.sqrt(-2.0 * math.log(max(u1, 1e-300))) * math.cos(2.0 * math.pi * u2)
 
     def template(self, task: str, key: int) -> Template | None:
         """The measured problem a request of `task` replays (None for a published table)."""
@@ -173,7 +179,7 @@ class QualityModel:
             pool = self.templates[task]
         except KeyError:
             raise ValueError(f"no measured trajectories for task {task!r}; have {sorted(self.templates)}") from None
-        return pool[int(self.rng(key, 1).integers(len(pool)))]
+        return pool[min(len(pool) - 1, int(self.uniform(key, 1) * len(pool)))]
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -207,13 +213,13 @@ class QualityModel:
         return _lin(tau, list(self.grid), vals, clamp=True)
 
     # --- one step ---
-    def commit(self, plan: "RequestPlan", prog: Progress, tau: float, rng: np.random.Generator) -> tuple[int, bool, bool]:
+    def commit(self, plan: "RequestPlan", prog: Progress, tau: float) -> tuple[int, bool, bool]:
         """Positions committed by one step at τ; (n, block finished, request finished)."""
         if plan.template is not None:
-            return self._commit_measured(plan, prog, tau, rng)
+            return self._commit_measured(plan, prog, tau)
         return self._commit_table(plan, prog, tau)
 
-    def _grid_index(self, tau: float, rng: np.random.Generator) -> int:
+    def _grid_index(self, tau: float, u: float) -> int:
         g = self.grid
         i = bisect.bisect_left(g, tau - 1e-12)
         if i < len(g) and abs(g[i] - tau) <= 1e-9:
@@ -223,10 +229,10 @@ class QualityModel:
         if i == len(g):
             return len(g) - 1
         lo, hi = g[i - 1], g[i]
-        return i if rng.random() < (tau - lo) / (hi - lo) else i - 1
+        return i if u < (tau - lo) / (hi - lo) else i - 1
 
-    def _commit_measured(self, plan: "RequestPlan", prog: Progress, tau: float, rng) -> tuple[int, bool, bool]:
-        blocks = plan.template.blocks[self._grid_index(tau, rng)]
+    def _commit_measured(self, plan: "RequestPlan", prog: Progress, tau: float) -> tuple[int, bool, bool]:
+        blocks = plan.template.blocks[self._grid_index(tau, self.uniform(plan.key, 4, prog.steps))]
         if prog.block >= len(blocks):  # this τ's answer ended earlier: finish with this step
             return 1, True, True
         curve = blocks[prog.block]
@@ -238,7 +244,7 @@ class QualityModel:
 
     def _commit_table(self, plan: "RequestPlan", prog: Progress, tau: float) -> tuple[int, bool, bool]:
         size = plan.block_tokens(prog.block)
-        rate = self.table_rate(tau) * plan.rate_factor(prog.block)
+        rate = self.table_rate(tau) * plan.rate_factor(self, prog.block)
         steps = max(1, min(size, math.ceil(size / rate)))
         # even split over `steps`: the cumulative after step s is round(s * size / steps); carry on
         # from the positions already committed (τ may have changed mid-block)
@@ -285,10 +291,11 @@ class RequestPlan:
         tokens = self.finish_tokens or self.answer_length
         return max(1, min(self.block_length, tokens - block * self.block_length))
 
-    def rate_factor(self, block: int) -> float:
+    def rate_factor(self, model: QualityModel, block: int) -> float:
+        """The request's rate multiplier in `block` (its own factor times a per-block one)."""
         f = self._block_factors.get(block)
         if f is None:
-            z = np.random.default_rng([self.key & 0x7FFFFFFFFFFFFFFF, 7, block]).standard_normal()
+            z = model.normal(self.key, 7, block)
             f = self.request_factor * math.exp(self.block_sigma * z - self.block_sigma ** 2 / 2)
             self._block_factors[block] = f
         return f
@@ -300,11 +307,18 @@ def make_plan(model: QualityModel, key: int, task: str, answer_length: int, bloc
     template = model.template(task, key)
     if template is not None:
         return RequestPlan(key, task, answer_length, block_length, template)
-    z = model.rng(key, 2).standard_normal()
+    z = model.normal(key, 2)
     factor = math.exp(model.request_sigma * z - model.request_sigma ** 2 / 2)
     if finish_tokens is not None and not 1 <= finish_tokens <= answer_length:
         raise ValueError(f"finish_tokens {finish_tokens} outside the answer area {answer_length}")
     return RequestPlan(key, task, answer_length, block_length, None, finish_tokens, factor, model.block_sigma)
+
+
+def uniform(*ints: int) -> float:
+    """A uniform draw in [0, 1) fixed by the integers (a hash: no generator state to carry around)."""
+    digest = hashlib.blake2b(struct.pack(f"<{len(ints)}q", *(int(i) & 0x7FFFFFFFFFFFFFFF for i in ints)),
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0 ** 64
 
 
 def _lin(x: float, xs: Sequence[float], ys: Sequence[float], clamp: bool = False) -> float:

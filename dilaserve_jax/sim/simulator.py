@@ -265,7 +265,7 @@ class Simulation:
         steps = [(s.tau, s.n_committed) for s in req.steps]
         if res is not None and res.state == RequestState.FINISHED_OK and plan is not None:
             p = self.quality.valid_probability(plan, steps)
-            valid = bool(self.quality.rng(key, 5).random() < p)
+            valid = self.quality.uniform(key, 5) < p
         if self.quality is not None and self.quality.extrapolated_below:
             low = sum(n for tau, n in steps if tau < self.quality.extrapolated_below - 1e-9)
         self.records.append(RequestRecord(
@@ -294,12 +294,11 @@ def idle_latency(spec: RequestSpec, plan: RequestPlan, quality: QualityModel, st
 
     canvas = len(spec.prompt_tokens) + spec.answer_length
     prog = Progress()
-    rng = quality.rng(plan.key, 3, 0)
     total, refresh = 0.0, True
     for _ in range(spec.answer_length + 1):
         kind = StepKind.REFRESH if refresh else StepKind.REUSE
         total += step_time.mean(kind, 1, canvas, spec.block_length, tp)
-        _, _, refresh, finished = advance(quality, plan, prog, tau, rng)
+        _, _, refresh, finished = advance(quality, plan, prog, tau)
         if finished:
             break
     return total

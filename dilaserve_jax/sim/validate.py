@@ -1,0 +1,278 @@
+"""`python -m dilaserve_jax.sim.validate`: the simulator against the real engine on the same requests.
+
+1. The real side, as `bench.policies` runs it: the tiny model on one instance (Engine + JaxRunner,
+   real clock, in-process), its step-latency profile measured on the workload's shapes, each pool
+   prompt's idle latency and the instance's capacity; then, per load level, one Poisson trace of
+   pool prompts with SLO = uniform(2, 6) × the prompt's idle latency, served by every policy.
+   Every step's duration and shapes and every engine iteration's wall time are recorded.
+2. The simulated side, fed only what the real run measured: its profile (the measured points at
+   the padded shapes the decoder runs, grouped by length bucket as it does), the spread of actual
+   over profiled step times (resampled), the host time per step outside the compiled steps, and
+   the shipped eval rows (per-problem commit trajectories and validity). The same requests, the
+   same arrival times and SLOs, the same policies.
+3. Both side by side per policy and rate, against the targets (attainment within 5 points, mean
+   latency within 15%).
+
+This module imports JAX only inside `run` (the real side); `dilaserve_jax.sim` stays JAX-free.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dilaserve_jax.sim.report import summarize
+
+TARGET_POINTS = 5.0
+TARGET_LATENCY = 0.15
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dilaserve_jax.sim.validate",
+        description="Replay one Poisson trace through the real in-process engine (tiny model, one instance) at "
+                    "several loads and policies, then through the simulator fed that run's measured profile, step-time "
+                    "spread and host overhead and the shipped eval rows; print both side by side.")
+    p.add_argument("--load-factors", type=float, nargs="+", default=[0.5, 1.0, 1.6],
+                   help="request rates as multiples of the measured capacity (default 0.5 1.0 1.6)")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run (default 20)")
+    p.add_argument("--policies", nargs="+", default=None, help="policies (default all three)")
+    p.add_argument("--slots", type=int, default=8, help="slots of the instance (default 8)")
+    p.add_argument("--per-task", type=int, default=6, help="held-out problems per task in the pool (default 6)")
+    p.add_argument("--slo-range", type=float, nargs=2, default=[2.0, 6.0], metavar=("LO", "HI"),
+                   help="SLO = uniform(LO, HI) x the prompt's idle latency (default 2 6)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--sim-seeds", type=int, default=3, help="simulator seeds per point, averaged (default 3)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write the measured profile (profile.json, usable as --profile of the simulator), the "
+                        "real run's measurements and the comparison (validate.json) here")
+    p.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    p.add_argument("--compile-cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dilaserve_jax", "xla"),
+                   help="persistent XLA compilation cache directory, or 'none'")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    return p
+
+
+# --- the real side -----------------------------------------------------------------------------
+def serve_measured(bench, policy: str, trace: list, progress: bool, desc: str) -> tuple[list, dict]:
+    """`bench.policies.Bench.serve`, with every step and every engine iteration timed."""
+    from tqdm.auto import tqdm
+
+    from dilaserve_jax.serving.engine import Engine
+    from dilaserve_jax.serving.request import make_request
+    from dilaserve_jax.serving.scheduler import Scheduler, SchedulerConfig
+    from dilaserve_jax.serving.threshold import ThresholdConfig
+
+    cfg = bench.cfg
+    tcfg = ThresholdConfig.with_prior(bench.prior) if bench.prior else ThresholdConfig()
+    sched = Scheduler(SchedulerConfig(cfg.slots, policy=policy, static_tau=cfg.static_tau, max_queue=10_000,
+                                      threshold=tcfg), bench.latency)
+    engine = Engine(bench.runner, sched)
+    shapes: dict[str, tuple[int, int]] = {}
+    steps: list[tuple[int, list, float, float]] = []
+    engine.add_step_hook(lambda name, plan, outs, t0, t1: steps.append(
+        (int(plan.kind), [shapes[r] for r in plan.request_ids], t0, t1)))
+    handles, reqs = [], []
+    busy_wall = 0.0
+    bar = tqdm(total=len(trace), desc=desc, unit="req", file=sys.stderr, leave=False, disable=not progress)
+    t0 = engine.clock()
+    while len(reqs) < len(trace) or not all(h.done() for h in handles):
+        now = engine.clock()
+        while len(reqs) < len(trace) and now - t0 >= trace[len(reqs)][0]:
+            offset, i, slo = trace[len(reqs)]
+            it = bench.items[i]
+            r = make_request(f"q{len(reqs)}", it.tokens, it.answer, it.block, t0 + offset, slo,
+                             tau_min=cfg.tau_min, tau_max=cfg.tau_max)
+            shapes[r.id] = (len(it.tokens) + it.answer, it.block)
+            reqs.append(r)
+            handles.append(engine.submit(r))
+        w0 = engine.clock()
+        progressed = engine.step_once()
+        if progressed:
+            busy_wall += engine.clock() - w0
+        else:
+            time.sleep(0.0005)
+        bar.update(sum(h.done() for h in handles) - bar.n)
+    while engine.step_once():
+        pass
+    bar.close()
+    step_s = sum(t1 - t0_ for _, _, t0_, t1 in steps)
+    timing = {"steps": steps, "busy_wall_s": busy_wall, "step_s": step_s,
+              "overhead_per_step_s": (busy_wall - step_s) / max(1, len(steps))}
+    return reqs, timing
+
+
+def real_records(bench, reqs) -> list[dict]:
+    from dilaserve_jax.serving.request import RequestState
+    from dilaserve_jax.tasks.graders import grade
+
+    index = {it.tokens: it for it in bench.items}
+    out = []
+    for r in reqs:
+        ok = r.state == RequestState.FINISHED_OK
+        valid = bool(grade(index[r.prompt_tokens].problem, bench.model.tokenizer.decode(r.output_tokens or []))) \
+            if ok else None
+        out.append({"id": r.id, "task": index[r.prompt_tokens].problem.task, "arrival": r.arrival,
+                    "finish": r.finish_time, "state": r.state.name, "met": bool(r.deadline_met),
+                    "steps": len(r.steps), "tau_sum": sum(s.tau for s in r.steps),
+                    "committed": sum(s.n_committed for s in r.steps), "valid": valid, "moves": r.moves})
+    return out
+
+
+# --- the simulated side ------------------------------------------------------------------------
+def simulate(bench_info: dict, policy: str, trace: list, items: list, *, step_time, latency, prior, seeds: int) -> list:
+    from dilaserve_jax.sim.setup import ASSETS
+    from dilaserve_jax.sim.quality import QualityModel
+    from dilaserve_jax.sim.simulator import SimConfig, Simulation
+    from dilaserve_jax.sim.workload import RequestSpec
+
+    rows = json.loads((ASSETS / "eval.json").read_text())
+    specs = [RequestSpec(offset, items[i]["task"], tuple(items[i]["tokens"]), items[i]["answer"], items[i]["block"],
+                         None, slo) for offset, i, slo in trace]
+    out = []
+    for seed in range(seeds):
+        quality = QualityModel.from_eval_rows(rows, seed=seed)
+        cfg = SimConfig(devices=1, policy=policy, layout="1x1", slots=bench_info["slots"],
+                        static_tau=bench_info["static_tau"], tau_min=bench_info["tau_range"][0],
+                        tau_max=bench_info["tau_range"][1], max_queue=10_000, seed=seed)
+        res = Simulation(cfg, specs, step_time=step_time, latency=latency, quality=quality, prior=prior,
+                         param_bytes=0.0).run()
+        out.append(res)
+    return out
+
+
+def step_time_model(bench, timings: list[dict]):
+    """The simulator's step time from what the real run measured (see module doc)."""
+    from dilaserve_jax.sim.executor import StepTimeModel
+
+    prof = bench.profile
+    table = {(int(p.kind), p.tp, p.batch, p.canvas, p.block): p.seconds for p in prof.points}
+    base = StepTimeModel(bench.latency, table, tuple(bench.runner.decoder.config.batch_buckets),
+                         tuple(sorted(set(bench.lengths.values()))))
+    rng = np.random.default_rng(0)
+    ratios = []
+    for tm in timings:
+        for kind, shapes, t0, t1 in tm["steps"]:
+            pred = base.batch_seconds(kind, shapes, 1, rng)
+            if pred > 0:
+                ratios.append((t1 - t0) / pred)
+    steps = sum(len(tm["steps"]) for tm in timings)
+    overhead = sum(tm["busy_wall_s"] - tm["step_s"] for tm in timings) / max(1, steps)
+    model = StepTimeModel(bench.latency, table, base.batch_buckets, base.length_buckets,
+                          tuple(float(r) for r in ratios) if ratios else 0.0, max(0.0, overhead))
+    return model, {"ratio_median": float(np.median(ratios)) if ratios else math.nan,
+                   "ratio_p10": float(np.percentile(ratios, 10)) if ratios else math.nan,
+                   "ratio_p90": float(np.percentile(ratios, 90)) if ratios else math.nan,
+                   "overhead_per_step_ms": 1e3 * overhead, "steps": steps}
+
+
+def _mean_rows(results, duration: float) -> dict:
+    rows = [summarize(r.records, duration=duration) for r in results]
+    keys = ("slo_attainment", "mean_latency", "p99_latency", "accuracy", "mean_tau", "rejected", "requests")
+    return {k: float(np.mean([r[k] for r in rows])) for k in keys} | {"seeds": len(rows)}
+
+
+def compare(real: dict, sim: dict) -> dict:
+    d_att = 100 * (sim["slo_attainment"] - real["slo_attainment"])
+    d_lat = sim["mean_latency"] / real["mean_latency"] - 1 if real["mean_latency"] > 0 else math.nan
+    return {"d_attainment_points": d_att, "d_latency": d_lat,
+            "within": abs(d_att) <= TARGET_POINTS and abs(d_lat) <= TARGET_LATENCY}
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = (f"{'policy':<12}{'req/s':>7}{'load':>6}{'n':>5} | {'SLO% real':>9}{'sim':>7}{'Δpts':>7} | "
+            f"{'mean s real':>11}{'sim':>7}{'Δ':>7} | {'acc% real':>9}{'sim':>6} | {'τ real':>6}{'sim':>6} | ok")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        a, s, c = r["real"], r["sim"], r["compare"]
+        lines.append(f"{r['policy']:<12}{r['rate']:>7.2f}{r['load']:>6.2f}{a['requests']:>5.0f} | "
+                     f"{100 * a['slo_attainment']:>9.1f}{100 * s['slo_attainment']:>7.1f}{c['d_attainment_points']:>+7.1f} | "
+                     f"{a['mean_latency']:>11.3f}{s['mean_latency']:>7.3f}{100 * c['d_latency']:>+6.0f}% | "
+                     f"{100 * a['accuracy']:>9.1f}{100 * s['accuracy']:>6.1f} | {a['mean_tau']:>6.3f}{s['mean_tau']:>6.3f} | "
+                     f"{'yes' if c['within'] else 'no'}")
+    return "\n".join(lines)
+
+
+def run(args, say) -> dict:
+    from dilaserve_jax.bench.policies import POLICIES, Bench, BenchConfig
+    from dilaserve_jax.decoding.compiled import enable_compile_cache
+
+    enable_compile_cache(args.compile_cache)
+    policies = tuple(args.policies or POLICIES)
+    cfg = BenchConfig(model="tiny", load_factors=tuple(args.load_factors), duration=args.duration,
+                      slo_range=tuple(args.slo_range), slots=args.slots, per_task=args.per_task, seed=args.seed)
+    progress = not args.no_progress
+    t_start = time.perf_counter()
+    bench = Bench(cfg, say, progress)
+    bench.build()
+    idle, cap = bench.capacity()
+    say(f"capacity at τ={cfg.static_tau}: {cap:.2f} req/s; idle latency mean {1e3 * np.mean(idle):.0f} ms")
+    info = {"slots": cfg.slots, "static_tau": cfg.static_tau, "tau_range": [cfg.tau_min, cfg.tau_max],
+            "capacity_rps": cap, "duration": cfg.duration, "slo_range": list(cfg.slo_range)}
+    items = [{"task": it.problem.task, "tokens": list(it.tokens), "answer": it.answer, "block": it.block}
+             for it in bench.items]
+    runs, timings = [], []
+    for k, factor in enumerate(cfg.load_factors):
+        rate = round(factor * cap, 2)
+        trace = bench.trace(rate, idle, k)
+        order = policies[k % len(policies):] + policies[:k % len(policies)]
+        for p in order:
+            reqs, tm = serve_measured(bench, p, trace, progress, f"real {p} @ {rate:g}/s")
+            runs.append({"policy": p, "rate": rate, "load": factor, "trace": trace,
+                         "records": real_records(bench, reqs), "overhead_ms": 1e3 * tm["overhead_per_step_s"]})
+            timings.append(tm)
+            say(f"real {p} @ {rate:g} req/s: {summarize(runs[-1]['records'], duration=cfg.duration)['slo_attainment']:.1%}"
+                f" attainment")
+    real_s = time.perf_counter() - t_start
+    step_time, spread = step_time_model(bench, timings)
+    say(f"step time: actual/profiled median {spread['ratio_median']:.3f} (p10 {spread['ratio_p10']:.3f}, p90 "
+        f"{spread['ratio_p90']:.3f}) over {spread['steps']} steps; host time per step {spread['overhead_per_step_ms']:.2f} ms")
+    rows = []
+    t_sim = time.perf_counter()
+    for run_ in runs:
+        real = summarize(run_["records"], duration=cfg.duration)
+        sims = simulate(info, run_["policy"], run_["trace"], items, step_time=step_time, latency=bench.latency,
+                        prior=bench.prior, seeds=args.sim_seeds)
+        sim = _mean_rows(sims, cfg.duration)
+        rows.append({"policy": run_["policy"], "rate": run_["rate"], "load": run_["load"],
+                     "real": real, "sim": sim, "compare": compare(real, sim)})
+    sim_s = time.perf_counter() - t_sim
+    rows.sort(key=lambda r: (r["rate"], r["policy"]))
+    out = {"info": info | {"step_time": spread, "real_wall_s": real_s, "sim_wall_s": sim_s,
+                           "profile": bench.profile.label, "fit": str(bench.latency.report)}, "rows": rows}
+    if args.out:
+        d = Path(args.out)
+        d.mkdir(parents=True, exist_ok=True)
+        bench.profile.save(d / "profile.json")
+        (d / "validate.json").write_text(json.dumps(out | {"runs": runs}, indent=1, default=float))
+        say(f"wrote {d / 'profile.json'} and {d / 'validate.json'}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        out = run(args, say)
+    except (ValueError, FileNotFoundError) as err:
+        say(f"error: {err}")
+        return 2
+    if args.json:
+        print(json.dumps(out, indent=1, default=float))
+    else:
+        print(format_rows(out["rows"]))
+        ok = sum(r["compare"]["within"] for r in out["rows"])
+        print(f"{ok}/{len(out['rows'])} points within the targets (attainment ±{TARGET_POINTS:g} points, mean latency "
+              f"±{100 * TARGET_LATENCY:.0f}%); real side {out['info']['real_wall_s']:.0f} s, simulator "
+              f"{out['info']['sim_wall_s']:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
