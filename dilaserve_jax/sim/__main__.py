@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, nargs="+", default=list(d.tp_degrees), help="TP degrees allowed (default 1 2 4 8)")
     p.add_argument("--ablate", default="", help=f"dilaserve without: comma-separated of {', '.join(ABLATIONS)}")
     p.add_argument("--slots", type=int, default=d.slots, help=f"slots per instance (default {d.slots})")
+    p.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help=f"waiting requests per instance before rejection (default {d.max_queue}, as serve)")
     p.add_argument("--tau-min", type=float, default=d.tau_min, help=f"per-request τ floor (default {d.tau_min})")
     p.add_argument("--tau-max", type=float, default=d.tau_max, help=f"per-request τ ceiling (default {d.tau_max})")
     p.add_argument("--static-tau", type=float, default=d.static_tau, help=f"τ of the static policies (default {d.static_tau})")
@@ -71,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"seconds to compile a placement never seen (default {c.compile_s:g})")
     p.add_argument("--controller-interval-s", type=float, default=c.interval_s, help="seconds between control rounds")
     p.add_argument("--min-dwell-s", type=float, default=c.min_dwell_s, help="minimum seconds between switches")
+    p.add_argument("--length-buckets", default=None,
+                   help="comma-separated canvas buckets the decoder compiles (a step runs once per bucket among its "
+                        "requests, batch padded to a power of two), or none (one step at the longest canvas); default: "
+                        "256,...,4096 for llada_8b, the profile's lengths for tiny")
     p.add_argument("--step-noise", type=float, default=0.0,
                    help="log-normal sigma of step-time noise around the profile (default 0)")
     p.add_argument("--json", action="store_true", help="print the report (and the run's details) as JSON")
@@ -105,11 +111,13 @@ def run(args, say) -> tuple[dict, SimResult]:
                             bandwidth_gbps=args.interconnect_gbps, compile_s=args.compile_s)
     cfg = SimConfig(devices=args.devices, policy=args.policy, layout=layout, initial_layout=args.initial_layout,
                     layouts=tuple(x for x in (args.layouts or "").split(",") if x), tp_degrees=tuple(args.tp),
-                    ablate=ablate, slots=args.slots, static_tau=args.static_tau, tau_min=args.tau_min,
+                    ablate=ablate, slots=args.slots, max_queue=args.max_queue, static_tau=args.static_tau, tau_min=args.tau_min,
                     tau_max=args.tau_max, controller=ccfg, seed=args.seed)
     t0 = time.perf_counter()
+    buckets = None if args.length_buckets is None else (
+        () if args.length_buckets == "none" else tuple(int(x) for x in args.length_buckets.split(",")))
     m = setup_model(args.model, args.profile, eval_rows=args.eval_rows, seed=args.seed, noise=args.step_noise,
-                    tp_degrees=cfg.tp_degrees)
+                    tp_degrees=cfg.tp_degrees, slots=cfg.slots, length_buckets=buckets)
     specs = make_specs(args, m, model=args.model, tau=cfg.static_tau, slo_tp=args.slo_tp)
     say(f"{len(specs)} requests over {specs[-1].arrival if specs else 0:.0f} s; profile: {m.profile.label}; "
         f"quality: {m.quality.source or m.quality.name} (set up in {time.perf_counter() - t0:.1f} s)")

@@ -188,6 +188,22 @@ class SimCluster:
             inst.busy_until = None
             inst.visible = inst.engine.snapshot()
 
+    def process_next(self, handlers: dict) -> tuple[float, int] | None:
+        """Pop the next event and run it: STEP and SWITCH here, the others by `handlers[prio](t, what,
+        payload)`; then the follow-up work its engine iteration left. None when no event is left."""
+        if not self._events:
+            return None
+        t, prio, _, what, payload = heapq.heappop(self._events)
+        self.now = t
+        if prio == STEP:
+            self.iterate(what, t)
+        elif prio == SWITCH:
+            what(t, payload)
+        else:
+            handlers[prio](t, what, payload)
+        self.run_actions()
+        return t, prio
+
     def run_actions(self) -> None:
         while self._actions:
             self._actions.pop(0)()

@@ -46,9 +46,16 @@ def load_profile(spec: str, tps: tuple[int, ...] = (1, 2, 4, 8)) -> Profile:
     return Profile.load(path)
 
 
+LLADA_LENGTH_BUCKETS = (256, 512, 1024, 2048, 4096)
+
+
 def setup_model(model: str, profile: str | None, *, eval_rows: str | None = None, seed: int = 0,
                 noise: float | tuple[float, ...] = 0.0, overhead_s: float = 0.0, tp_degrees=(1, 2, 4, 8),
-                batch_buckets: tuple[int, ...] = (), length_buckets: tuple[int, ...] = ()) -> ModelSetup:
+                slots: int = 8, length_buckets: tuple[int, ...] | None = None) -> ModelSetup:
+    """`length_buckets`: canvas lengths the decoder compiles (a step runs one compiled step per
+    bucket and block among its requests, the batch padded to a power of two, as the real decoder
+    does); None: the model's default (LLaDA-8B: 256 ... 4096; tiny: the buckets of the measured
+    profile); (): no padding, one step at the longest canvas."""
     if model not in MODELS:
         raise ValueError(f"--model must be one of {', '.join(MODELS)}")
     if model == "tiny":
@@ -70,6 +77,9 @@ def setup_model(model: str, profile: str | None, *, eval_rows: str | None = None
         total = LLADA_8B.layers * LLADA_8B.layer_params + 2 * LLADA_8B.vocab * LLADA_8B.d_model
         param_bytes = float(total * LLADA_8B.bytes_per_param)
         max_len = 4096
+    if length_buckets is None:
+        length_buckets = LLADA_LENGTH_BUCKETS if model == "llada_8b" else tuple(sorted({p.canvas for p in prof.points}))
+    batch_buckets = tuple(2 ** k for k in range(slots.bit_length()) if 2 ** k < slots) + (slots,) if length_buckets else ()
     latency = LatencyModel.from_profile(prof)
     tps = tuple(t for t in tp_degrees if t in latency.tp_degrees)
     if not tps:

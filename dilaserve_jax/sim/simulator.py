@@ -9,7 +9,6 @@ concurrently and the loop always advances to the next completion.
 """
 from __future__ import annotations
 
-import heapq
 import sys
 import time
 from concurrent.futures import Future
@@ -24,10 +23,11 @@ from dilaserve_jax.serving.cluster import InstanceInfo
 from dilaserve_jax.serving.controller import ClusterController, ControllerConfig
 from dilaserve_jax.serving.engine import Engine, RequestResult
 from dilaserve_jax.serving.latency import LatencyModel
+from dilaserve_jax.serving.limits import DEFAULT_MAX_QUEUE
 from dilaserve_jax.serving.request import Request, RequestState
 from dilaserve_jax.serving.scheduler import POLICIES, Scheduler, SchedulerConfig
 from dilaserve_jax.serving.threshold import ThresholdConfig
-from dilaserve_jax.sim.cluster import ARRIVAL, CONTROL, STEP, SWITCH, SimCluster, SimInstance, SwitchCost
+from dilaserve_jax.sim.cluster import ARRIVAL, CONTROL, SWITCH, SimCluster, SimInstance, SwitchCost
 from dilaserve_jax.sim.executor import ModelledRunner, StepTimeModel, VirtualClock, advance
 from dilaserve_jax.sim.policies import ABLATIONS, threshold_controller_class
 from dilaserve_jax.sim.quality import QualityModel, RequestPlan, make_plan
@@ -47,7 +47,7 @@ class SimConfig:
     static_tau: float = 0.9
     tau_min: float = 0.6
     tau_max: float = 0.9
-    max_queue: int = 10_000
+    max_queue: int = DEFAULT_MAX_QUEUE  # waiting requests per instance before rejection (the server's default)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     seed: int = 0
 
@@ -189,8 +189,8 @@ class Simulation:
         self.cluster = cluster
         scaler = None
         if cfg.policy == "dilaserve":
-            layouts = [parse_layout(start)] if ("reconfig" in cfg.ablate or cfg.layout != "auto") else self._candidates()
-            ctl = self._controller(layouts)
+            fixed = "reconfig" in cfg.ablate or cfg.layout != "auto"
+            ctl = self._controller([parse_layout(start)] if fixed else self._candidates())
             cluster.controller = ctl
             scaler = Autoscaler(cluster, ctl, mode="manual", clock=lambda: cluster.now)
             cluster.push(cfg.controller.interval_s, CONTROL, None)
@@ -201,28 +201,25 @@ class Simulation:
             cluster.push(self.specs[0].arrival, ARRIVAL, None, 0)
         bar = _progress(n, self.label, self.progress)
         outstanding = [0]
-        while cluster._events:
-            t, prio, _, what, payload = heapq.heappop(cluster._events)
-            cluster.now = t
-            if prio == STEP:
-                cluster.iterate(what, t)
-            elif prio == ARRIVAL:
-                i = payload
-                self._arrive(cluster, i, t, outstanding, done)
-                if i + 1 < n:
-                    cluster.push(self.specs[i + 1].arrival, ARRIVAL, None, i + 1)
-            elif prio == SWITCH:
-                what(t, payload)
-                layouts.append((t, cluster.layout))
-            elif prio == CONTROL:
-                if outstanding[0] or done[0] < n:
-                    if not cluster.switching:
-                        scaler.round(t)
-                    cluster.push(t + cfg.controller.interval_s, CONTROL, None)
-            cluster.run_actions()
+
+        def arrival(t, _, i):
+            self._arrive(cluster, i, t, outstanding, done)
+            if i + 1 < n:
+                cluster.push(self.specs[i + 1].arrival, ARRIVAL, None, i + 1)
+
+        def control(t, _, __):
+            if outstanding[0] or done[0] < n:
+                if not cluster.switching:
+                    scaler.round(t)
+                cluster.push(t + cfg.controller.interval_s, CONTROL, None)
+
+        handlers = {ARRIVAL: arrival, CONTROL: control}
+        while (ev := cluster.process_next(handlers)) is not None:
+            if ev[1] == SWITCH:
+                layouts.append((ev[0], cluster.layout))
             if bar is not None and done[0] != bar.n:
                 bar.update(done[0] - bar.n)
-                bar.set_postfix_str(f"t={t:.0f}s {cluster.layout}", refresh=False)
+                bar.set_postfix_str(f"t={ev[0]:.0f}s {cluster.layout}", refresh=False)
         if bar is not None:
             bar.close()
         ctl = cluster.controller
