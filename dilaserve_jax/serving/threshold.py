@@ -109,8 +109,7 @@ class TokensPerStep:
         pts = sorted(cfg.prior)  # ascending τ
         self._rates = [_interp(t, pts) for t in cfg.grid]
         self.counts = [0] * len(cfg.grid)
-        self._curve: list[tuple[float, float]] | None = None  # monotone curve, rebuilt after an observation
-        self._at: dict[float, float] = {}  # rate by τ on the current curve
+        self._mono: list[tuple[float, float]] | None = None  # monotone envelope, ascending τ (cached)
 
     def bucket(self, tau: float) -> int:
         return min(range(len(self.cfg.grid)), key=lambda i: abs(self.cfg.grid[i] - tau))
@@ -119,21 +118,17 @@ class TokensPerStep:
         i = self.bucket(tau)
         self._rates[i] += self.cfg.ema * (n_committed - self._rates[i])
         self.counts[i] += 1
-        self._curve = None
-        self._at.clear()
+        self._mono = None
 
     def rate(self, tau: float) -> float:
         """Interpolated, and monotone: a lower τ never predicts fewer tokens than a higher one."""
-        r = self._at.get(tau)
-        if r is None:  # called per request per τ per step: computed once per τ until the next observation
-            if self._curve is None:
-                mono, best = [], 0.0
-                for x in self._rates:  # grid descends in τ
-                    best = max(best, x)
-                    mono.append(best)
-                self._curve = sorted(zip(self.cfg.grid, mono))
-            r = self._at[tau] = max(1.0, _interp(tau, self._curve))
-        return r
+        if self._mono is None:
+            mono, best = [], 0.0
+            for r in self._rates:  # grid descends in τ
+                best = max(best, r)
+                mono.append(best)
+            self._mono = sorted(zip(self.cfg.grid, mono))
+        return max(1.0, _interp(tau, self._mono))
 
     def snapshot(self) -> dict[float, float]:
         return {t: round(self.rate(t), 4) for t in self.cfg.grid}
