@@ -35,6 +35,8 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from dilaserve_jax.tasks.eval import prompt_hash  # pure: the eval's JAX work is imported inside its functions
+
 # LLaDA-8B on GSM8K (5-shot), generation length 256, block 32, from Fast-dLLM: C. Wu et al.,
 # "Fast-dLLM: Training-free Acceleration of Diffusion LLM by Enabling KV Cache and Parallel
 # Decoding", arXiv:2505.22618, Table 1 (LLaDA rows): one token per step (the baseline, τ = 1.0)
@@ -66,6 +68,7 @@ class Template:
     task: str
     blocks: tuple[tuple[tuple[int, ...], ...], ...]  # [τ][block] -> cumulative positions after each step
     valid: tuple[int, ...]  # [τ]
+    prompt: str = ""  # `tasks.eval.prompt_hash` of the measured prompt
 
 
 @dataclass(slots=True)
@@ -104,6 +107,8 @@ class QualityModel:
         if len(set(self.grid)) != len(self.grid) or not all(0 < t <= 1 for t in self.grid):
             raise ValueError(f"τ grid must be distinct values in (0, 1]: {grid}")
         self.templates = {k: list(v) for k, v in (templates or {}).items()}
+        self.by_prompt = {(t.task, t.prompt): t for pool in self.templates.values() for t in pool if t.prompt}
+        self.match_prompts = True  # a request whose prompt was measured replays its own trajectories
         self.table = dict(table) if table is not None else None
         if not self.templates and self.table is None:
             raise ValueError("a quality model needs measured templates or a published table")
@@ -143,9 +148,10 @@ class QualityModel:
             if len(n) != 1:
                 raise ValueError(f"task {task}: a different number of problems per τ")
             block = int(by_tau[grid[0]].get("block_length", 32))
+            hashes = by_tau[grid[0]].get("prompt_hash") or [""] * len(by_tau[grid[0]]["trajectories"])
             templates[task] = [
                 Template(task, tuple(_blocks_of(by_tau[t]["trajectories"][i], block) for t in grid),
-                         tuple(int(by_tau[t]["valid"][i]) for t in grid))
+                         tuple(int(by_tau[t]["valid"][i]) for t in grid), hashes[i])
                 for i in range(n.pop())]
         return cls(name="measured", grid=grid, templates=templates, seed=seed, source=source)
 
@@ -171,10 +177,15 @@ class QualityModel:
         u1, u2 = self.uniform(key, *salt, 0), self.uniform(key, *salt, 1)
         return math.sqrt(-2.0 * math.log(max(u1, 1e-300))) * math.cos(2.0 * math.pi * u2)
 
-    def template(self, task: str, key: int) -> Template | None:
-        """The measured problem a request of `task` replays (None for a published table)."""
+    def template(self, task: str, key: int, prompt_tokens: Sequence[int] | None = None) -> Template | None:
+        """The measured problem a request of `task` replays: its own when its prompt was measured (and
+        `match_prompts`), else one drawn from the task's (None for a published table)."""
         if not self.templates:
             return None
+        if prompt_tokens is not None and self.match_prompts and self.by_prompt:
+            own = self.by_prompt.get((task, prompt_hash(prompt_tokens)))
+            if own is not None:
+                return own
         try:
             pool = self.templates[task]
         except KeyError:
@@ -302,9 +313,9 @@ class RequestPlan:
 
 
 def make_plan(model: QualityModel, key: int, task: str, answer_length: int, block_length: int,
-              finish_tokens: int | None = None) -> RequestPlan:
-    """The plan of one request: its measured problem (drawn from `key`) or its table rates."""
-    template = model.template(task, key)
+              finish_tokens: int | None = None, prompt_tokens: Sequence[int] | None = None) -> RequestPlan:
+    """The plan of one request: its measured problem (its own, or drawn from `key`) or its table rates."""
+    template = model.template(task, key, prompt_tokens)
     if template is not None:
         return RequestPlan(key, task, answer_length, block_length, template)
     z = model.normal(key, 2)

@@ -238,7 +238,8 @@ class Simulation:
         s = self.specs[i]
         key = i + 1
         if self.quality is not None:
-            self.plans[key] = make_plan(self.quality, key, s.task, s.answer_length, s.block_length, s.finish_tokens)
+            self.plans[key] = make_plan(self.quality, key, s.task, s.answer_length, s.block_length, s.finish_tokens,
+                                        s.prompt_tokens)
         req = self.make_request(i)
         fut: Future = Future()
         outstanding[0] += 1
@@ -311,7 +312,7 @@ def assign_slos(specs: Sequence[RequestSpec], slo: tuple[str, tuple[float, ...]]
         if kind == "fixed":
             out.append(replace(s, slo=vals[0]))
             continue
-        plan = make_plan(quality, i + 1, s.task, s.answer_length, s.block_length, s.finish_tokens)
+        plan = make_plan(quality, i + 1, s.task, s.answer_length, s.block_length, s.finish_tokens, s.prompt_tokens)
         idle = idle_latency(s, plan, quality, step_time, tau, tp)
         out.append(replace(s, slo=float(rng.uniform(*vals)) * idle))
     return out

@@ -5,11 +5,13 @@
    prompt's idle latency and the instance's capacity; then, per load level, one Poisson trace of
    pool prompts with SLO = uniform(2, 6) × the prompt's idle latency, served by every policy.
    Every step's duration and shapes and every engine iteration's wall time are recorded.
-2. The simulated side, fed only what the real run measured: its profile (the measured points at
-   the padded shapes the decoder runs, grouped by length bucket as it does), the spread of actual
-   over profiled step times (resampled), the host time per step outside the compiled steps, and
-   the shipped eval rows (per-problem commit trajectories and validity). The same requests, the
-   same arrival times and SLOs, the same policies.
+2. The simulated side, fed only what the real run measured: its step times per shape (the median
+   of the run's own compiled calls of each kind, padded batch, length bucket and block; the
+   start-up profile where a shape never occurred; `--step-source profile` uses the start-up profile
+   alone), the spread of actual over modelled step times (resampled), the host time per step
+   outside the compiled calls, and the shipped eval rows (each pool prompt was among the eval's
+   problems, so it replays its own measured commit trajectory and validity). The same requests,
+   the same arrival times and SLOs, the same policies.
 3. Both side by side per policy and rate, against the targets (attainment within 5 points, mean
    latency within 15%).
 
@@ -52,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write the measured profile (profile.json, usable as --profile of the simulator), the "
                         "real run's measurements and the comparison (validate.json) here")
+    p.add_argument("--from", dest="from_file", default=None, metavar="FILE",
+                   help="skip the real side: re-simulate the real runs saved in FILE (measured.json of --out)")
+    p.add_argument("--step-source", default="run", choices=("run", "profile"),
+                   help="simulated step times: the run's own measured steps per shape, falling back to the start-up "
+                        "profile (run, default), or the start-up profile alone (profile)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
     p.add_argument("--compile-cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dilaserve_jax", "xla"),
                    help="persistent XLA compilation cache directory, or 'none'")
@@ -147,29 +154,44 @@ def simulate(bench_info: dict, policy: str, trace: list, items: list, *, step_ti
     return out
 
 
-def step_time_model(bench, timings: list[dict]):
-    """The simulator's step time from what the real run measured (see module doc)."""
-    from dilaserve_jax.sim.executor import StepTimeModel
+def step_time_model(measured: dict, source: str = "run"):
+    """The simulator's step time from what the real run measured (see module doc).
 
-    prof = bench.profile
+    source "run": the median duration of the run's own steps per shape (kind, padded batch, length
+    bucket, block), where a step was one compiled call; the start-up profile for shapes the run never
+    had. source "profile": the start-up profile alone. Either way the spread of actual over modelled
+    step times is resampled as noise, and the host time per step outside the compiled calls is added."""
+    from dilaserve_jax.serving.latency import LatencyModel, Profile
+    from dilaserve_jax.sim.executor import StepTimeModel, _bucket
+
+    prof = Profile.from_json(measured["profile"])
+    latency = LatencyModel.from_profile(prof)
     table = {(int(p.kind), p.tp, p.batch, p.canvas, p.block): p.seconds for p in prof.points}
-    base = StepTimeModel(bench.latency, table, tuple(bench.runner.decoder.config.batch_buckets),
-                         tuple(sorted(set(bench.lengths.values()))))
+    batch_b, length_b = tuple(measured["batch_buckets"]), tuple(measured["length_buckets"])
+    steps = [s for run in measured["runs"] for s in run["steps"]]
+    if source == "run":
+        seen: dict[tuple, list[float]] = {}
+        for kind, shapes, t0, t1 in steps:
+            groups = {(_bucket(c, length_b), k) for c, k in shapes}
+            if len(groups) == 1:
+                (l, k), = groups
+                seen.setdefault((int(kind), 1, _bucket(len(shapes), batch_b), l, k), []).append(t1 - t0)
+        table |= {key: float(np.median(v)) for key, v in seen.items()}
+    elif source != "profile":
+        raise ValueError(f"step-time source must be run or profile, got {source!r}")
+    base = StepTimeModel(latency, table, batch_b, length_b)
     rng = np.random.default_rng(0)
-    ratios = []
-    for tm in timings:
-        for kind, shapes, t0, t1 in tm["steps"]:
-            pred = base.batch_seconds(kind, shapes, 1, rng)
-            if pred > 0:
-                ratios.append((t1 - t0) / pred)
-    steps = sum(len(tm["steps"]) for tm in timings)
-    overhead = sum(tm["busy_wall_s"] - tm["step_s"] for tm in timings) / max(1, steps)
-    model = StepTimeModel(bench.latency, table, base.batch_buckets, base.length_buckets,
-                          tuple(float(r) for r in ratios) if ratios else 0.0, max(0.0, overhead))
-    return model, {"ratio_median": float(np.median(ratios)) if ratios else math.nan,
-                   "ratio_p10": float(np.percentile(ratios, 10)) if ratios else math.nan,
-                   "ratio_p90": float(np.percentile(ratios, 90)) if ratios else math.nan,
-                   "overhead_per_step_ms": 1e3 * overhead, "steps": steps}
+    ratios = [(t1 - t0) / pred for kind, shapes, t0, t1 in steps
+              if (pred := base.batch_seconds(kind, shapes, 1, rng)) > 0]
+    busy = sum(run["busy_wall_s"] for run in measured["runs"])
+    step_s = sum(t1 - t0 for _, _, t0, t1 in steps)
+    overhead = max(0.0, (busy - step_s) / max(1, len(steps)))
+    model = StepTimeModel(latency, table, batch_b, length_b, tuple(float(r) for r in ratios) or 0.0, overhead)
+    return model, latency, {"source": source, "ratio_median": float(np.median(ratios)) if ratios else math.nan,
+                            "ratio_mean": float(np.mean(ratios)) if ratios else math.nan,
+                            "ratio_p10": float(np.percentile(ratios, 10)) if ratios else math.nan,
+                            "ratio_p90": float(np.percentile(ratios, 90)) if ratios else math.nan,
+                            "overhead_per_step_ms": 1e3 * overhead, "steps": len(steps)}
 
 
 def _mean_rows(results, duration: float) -> dict:
@@ -199,7 +221,8 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run(args, say) -> dict:
+def measure_real(args, say) -> dict:
+    """The real side (JAX): everything the simulated side is fed, as plain JSON."""
     from dilaserve_jax.bench.policies import POLICIES, Bench, BenchConfig
     from dilaserve_jax.decoding.compiled import enable_compile_cache
 
@@ -214,10 +237,11 @@ def run(args, say) -> dict:
     idle, cap = bench.capacity()
     say(f"capacity at τ={cfg.static_tau}: {cap:.2f} req/s; idle latency mean {1e3 * np.mean(idle):.0f} ms")
     info = {"slots": cfg.slots, "static_tau": cfg.static_tau, "tau_range": [cfg.tau_min, cfg.tau_max],
-            "capacity_rps": cap, "duration": cfg.duration, "slo_range": list(cfg.slo_range)}
+            "capacity_rps": cap, "duration": cfg.duration, "slo_range": list(cfg.slo_range),
+            "profile_label": bench.profile.label, "fit": str(bench.latency.report)}
     items = [{"task": it.problem.task, "tokens": list(it.tokens), "answer": it.answer, "block": it.block}
              for it in bench.items]
-    runs, timings = [], []
+    runs = []
     for k, factor in enumerate(cfg.load_factors):
         rate = round(factor * cap, 2)
         trace = bench.trace(rate, idle, k)
@@ -225,33 +249,56 @@ def run(args, say) -> dict:
         for p in order:
             reqs, tm = serve_measured(bench, p, trace, progress, f"real {p} @ {rate:g}/s")
             runs.append({"policy": p, "rate": rate, "load": factor, "trace": trace,
-                         "records": real_records(bench, reqs), "overhead_ms": 1e3 * tm["overhead_per_step_s"]})
-            timings.append(tm)
+                         "records": real_records(bench, reqs), "steps": tm["steps"], "busy_wall_s": tm["busy_wall_s"],
+                         "overhead_ms": 1e3 * tm["overhead_per_step_s"]})
             say(f"real {p} @ {rate:g} req/s: {summarize(runs[-1]['records'], duration=cfg.duration)['slo_attainment']:.1%}"
                 f" attainment")
-    real_s = time.perf_counter() - t_start
-    step_time, spread = step_time_model(bench, timings)
-    say(f"step time: actual/profiled median {spread['ratio_median']:.3f} (p10 {spread['ratio_p10']:.3f}, p90 "
-        f"{spread['ratio_p90']:.3f}) over {spread['steps']} steps; host time per step {spread['overhead_per_step_ms']:.2f} ms")
+    return {"info": info | {"real_wall_s": time.perf_counter() - t_start}, "items": items, "runs": runs,
+            "profile": bench.profile.to_json(), "prior": {str(t): v for t, v in (bench.prior or {}).items()},
+            "batch_buckets": list(bench.runner.decoder.config.batch_buckets),
+            "length_buckets": sorted(set(bench.lengths.values()))}
+
+
+def compare_with_sim(measured: dict, seeds: int, source: str = "run") -> dict:
+    """The simulated side, fed only `measured`, side by side with the real runs."""
+    info, duration = measured["info"], measured["info"]["duration"]
+    step_time, latency, spread = step_time_model(measured, source)
+    prior = {float(t): v for t, v in measured["prior"].items()} or None
     rows = []
     t_sim = time.perf_counter()
-    for run_ in runs:
-        real = summarize(run_["records"], duration=cfg.duration)
-        sims = simulate(info, run_["policy"], run_["trace"], items, step_time=step_time, latency=bench.latency,
-                        prior=bench.prior, seeds=args.sim_seeds)
-        sim = _mean_rows(sims, cfg.duration)
+    for run_ in measured["runs"]:
+        real = summarize(run_["records"], duration=duration)
+        sims = simulate(info, run_["policy"], run_["trace"], measured["items"], step_time=step_time, latency=latency,
+                        prior=prior, seeds=seeds)
+        sim = _mean_rows(sims, duration)
         rows.append({"policy": run_["policy"], "rate": run_["rate"], "load": run_["load"],
                      "real": real, "sim": sim, "compare": compare(real, sim)})
-    sim_s = time.perf_counter() - t_sim
     rows.sort(key=lambda r: (r["rate"], r["policy"]))
-    out = {"info": info | {"step_time": spread, "real_wall_s": real_s, "sim_wall_s": sim_s,
-                           "profile": bench.profile.label, "fit": str(bench.latency.report)}, "rows": rows}
+    return {"info": info | {"step_time": spread, "sim_wall_s": time.perf_counter() - t_sim}, "rows": rows}
+
+
+def run(args, say) -> dict:
+    if args.from_file:
+        measured = json.loads(Path(args.from_file).read_text())
+        say(f"real runs from {args.from_file} ({len(measured['runs'])} runs)")
+    else:
+        measured = measure_real(args, say)
+        if args.out:
+            d = Path(args.out)
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "measured.json").write_text(json.dumps(measured, default=float))
+            from dilaserve_jax.serving.latency import Profile
+
+            Profile.from_json(measured["profile"]).save(d / "profile.json")
+            say(f"wrote {d / 'measured.json'} (re-simulate with --from) and {d / 'profile.json'}")
+    out = compare_with_sim(measured, args.sim_seeds, args.step_source)
+    sp = out["info"]["step_time"]
+    say(f"step time ({sp['source']}): actual/modelled median {sp['ratio_median']:.3f}, mean {sp['ratio_mean']:.3f} "
+        f"(p10 {sp['ratio_p10']:.3f}, p90 {sp['ratio_p90']:.3f}) over {sp['steps']} steps; host time per step "
+        f"{sp['overhead_per_step_ms']:.2f} ms")
     if args.out:
-        d = Path(args.out)
-        d.mkdir(parents=True, exist_ok=True)
-        bench.profile.save(d / "profile.json")
-        (d / "validate.json").write_text(json.dumps(out | {"runs": runs}, indent=1, default=float))
-        say(f"wrote {d / 'profile.json'} and {d / 'validate.json'}")
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / f"validate_{args.step_source}.json").write_text(json.dumps(out, indent=1, default=float))
     return out
 
 

@@ -11,6 +11,13 @@ import json
 import sys
 from dataclasses import dataclass
 
+def prompt_hash(token_ids) -> str:
+    """A short stable id of a prompt's token ids (how the simulator finds a measured prompt)."""
+    import hashlib
+
+    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
+
+
 DEFAULT_THRESHOLDS = (1.0, 0.9, 0.7, 0.5, 0.3)
 DECODERS = ("reference", "fast")
 CACHE_MODES = ("none", "prefix", "dual")
@@ -98,9 +105,10 @@ DECODER_FACTORIES = {"reference": _reference_decoder, "fast": _fast_decoder}
 
 def evaluate(cfg: EvalConfig, model=None, progress: bool = True) -> list[dict]:
     """Rows {task, kind, threshold, accuracy, tokens_per_step, steps, n, answer_length, block_length,
-    trajectories, valid} for every task x threshold, then the summary rows. `trajectories[i]` lists the
-    positions problem i committed at each step (in order), `valid[i]` whether its answer was graded
-    valid: the per-request, per-step distribution the simulator's modelled runner replays."""
+    trajectories, valid, prompt_hash} for every task x threshold, then the summary rows.
+    `trajectories[i]` lists the positions problem i committed at each step (in order), `valid[i]`
+    whether its answer was graded valid, `prompt_hash[i]` identifies its prompt: the per-request,
+    per-step distribution the simulator's modelled runner replays."""
     from tqdm import tqdm
 
     from dilaserve_jax.models import load_model
@@ -126,7 +134,8 @@ def evaluate(cfg: EvalConfig, model=None, progress: bool = True) -> list[dict]:
                          "tokens_per_step": sum(d.committed for d in decoded) / max(steps, 1),
                          "steps": steps / len(problems), "n": len(problems),
                          "answer_length": task.gen_length, "block_length": min(cfg.block_length, task.gen_length),
-                         "trajectories": [list(d.per_step) for d in decoded], "valid": valid})
+                         "trajectories": [list(d.per_step) for d in decoded], "valid": valid,
+                         "prompt_hash": [prompt_hash(p) for p in prompts]})
     bar.close()
     return rows + summary_rows(rows)
 
