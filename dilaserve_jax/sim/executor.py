@@ -57,6 +57,9 @@ class StepTimeModel:
     length_buckets: tuple[int, ...] = ()
     noise: float | tuple[float, ...] = 0.0
     overhead_s: float = 0.0
+    # (seconds from the start, factor): a measured slowdown over time (a shared host's contention),
+    # replayed instead of `noise`: a step starting at t takes the factor of the latest entry <= t
+    timeline: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.noise, float) and self.noise < 0:
@@ -79,7 +82,8 @@ class StepTimeModel:
             t = self.latency.predict(kind, b, l, block, tp)
         return t + self.overhead_s
 
-    def batch_seconds(self, kind: StepKind, shapes: Sequence[tuple[int, int]], tp: int, rng: np.random.Generator) -> float:
+    def batch_seconds(self, kind: StepKind, shapes: Sequence[tuple[int, int]], tp: int, rng: np.random.Generator,
+                      now: float = 0.0) -> float:
         """One step over requests of (canvas, block) shapes. With length buckets, as the real decoder
         runs it: one compiled step per (length bucket, block) group, back to back; without, one step
         padded to the longest canvas. Noise multiplies the step, the overhead is added once."""
@@ -91,7 +95,10 @@ class StepTimeModel:
             t = sum(self.mean(kind, n, l, k, tp) - self.overhead_s for (l, k), n in groups.items())
         else:
             t = self.mean(kind, len(shapes), max(c for c, _ in shapes), max(k for _, k in shapes), tp) - self.overhead_s
-        if isinstance(self.noise, float):
+        if self.timeline:
+            i = bisect.bisect_right(self.timeline, (now, math.inf)) - 1
+            f = self.timeline[max(0, i)][1]
+        elif isinstance(self.noise, float):
             f = 1.0 if self.noise == 0 else math.exp(self.noise * rng.standard_normal() - self.noise ** 2 / 2)
         else:
             f = self.noise[int(rng.integers(len(self.noise)))]
@@ -153,7 +160,7 @@ class ModelledRunner:
             if st.needs_refresh != (kind == StepKind.REFRESH):
                 raise ValueError(f"slot {s} needs {'REFRESH' if st.needs_refresh else 'REUSE'}, got {kind.name}")
         dt = self.step_time.batch_seconds(kind, [(st.prompt_len + st.plan.answer_length, st.plan.block_length)
-                                                 for st in states], self.tp_degree, self.rng)
+                                                 for st in states], self.tp_degree, self.rng, self.clock())
         out = [self._advance(s, st, tau) for s, st, tau in zip(slots, states, taus)]
         self.clock.advance(dt)
         self.steps_run += 1

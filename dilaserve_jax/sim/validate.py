@@ -20,6 +20,7 @@ This module imports JAX only inside `run` (the real side); `dilaserve_jax.sim` s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -51,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SLO = uniform(LO, HI) x the prompt's idle latency (default 2 6)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--sim-seeds", type=int, default=3, help="simulator seeds per point, averaged (default 3)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="serve every real point this many times (the real server's own run-to-run spread; default 1)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write the measured profile (profile.json, usable as --profile of the simulator), the "
                         "real run's measurements and the comparison (validate.json) here")
@@ -59,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-source", default="run", choices=("run", "profile"),
                    help="simulated step times: the run's own measured steps per shape, falling back to the start-up "
                         "profile (run, default), or the start-up profile alone (profile)")
+    p.add_argument("--noise", default="timeline", choices=("timeline", "iid"),
+                   help="step-time noise: replay each run's measured slowdown over time (timeline, default: this "
+                        "machine is shared, and its contention comes in spells) or resample the pooled spread (iid)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
     p.add_argument("--compile-cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dilaserve_jax", "xla"),
                    help="persistent XLA compilation cache directory, or 'none'")
@@ -207,13 +213,26 @@ def compare(real: dict, sim: dict) -> dict:
             "within": abs(d_att) <= TARGET_POINTS and abs(d_lat) <= TARGET_LATENCY}
 
 
+def real_repeatability(rows: list[dict]) -> dict:
+    """(policy, rate) -> the second real pass against the first: (attainment points, relative mean latency)."""
+    out = {}
+    for r in rows:
+        if r.get("repeat", 0) == 1:
+            first = next((x for x in rows if x["policy"] == r["policy"] and x["rate"] == r["rate"]
+                          and x.get("repeat", 0) == 0), None)
+            if first is not None:
+                out[(r["policy"], r["rate"])] = compare(first["real"], r["real"])["d_attainment_points"], \
+                    compare(first["real"], r["real"])["d_latency"]
+    return out
+
+
 def format_rows(rows: list[dict]) -> str:
-    head = (f"{'policy':<12}{'req/s':>7}{'load':>6}{'n':>5} | {'SLO% real':>9}{'sim':>7}{'Δpts':>7} | "
+    head = (f"{'policy':<12}{'req/s':>7}{'load':>6}{'pass':>5}{'n':>5} | {'SLO% real':>9}{'sim':>7}{'Δpts':>7} | "
             f"{'mean s real':>11}{'sim':>7}{'Δ':>7} | {'acc% real':>9}{'sim':>6} | {'τ real':>6}{'sim':>6} | ok")
     lines = [head, "-" * len(head)]
     for r in rows:
         a, s, c = r["real"], r["sim"], r["compare"]
-        lines.append(f"{r['policy']:<12}{r['rate']:>7.2f}{r['load']:>6.2f}{a['requests']:>5.0f} | "
+        lines.append(f"{r['policy']:<12}{r['rate']:>7.2f}{r['load']:>6.2f}{r.get('repeat', 0) + 1:>5}{a['requests']:>5.0f} | "
                      f"{100 * a['slo_attainment']:>9.1f}{100 * s['slo_attainment']:>7.1f}{c['d_attainment_points']:>+7.1f} | "
                      f"{a['mean_latency']:>11.3f}{s['mean_latency']:>7.3f}{100 * c['d_latency']:>+6.0f}% | "
                      f"{100 * a['accuracy']:>9.1f}{100 * s['accuracy']:>6.1f} | {a['mean_tau']:>6.3f}{s['mean_tau']:>6.3f} | "
@@ -242,38 +261,57 @@ def measure_real(args, say) -> dict:
     items = [{"task": it.problem.task, "tokens": list(it.tokens), "answer": it.answer, "block": it.block}
              for it in bench.items]
     runs = []
-    for k, factor in enumerate(cfg.load_factors):
-        rate = round(factor * cap, 2)
-        trace = bench.trace(rate, idle, k)
-        order = policies[k % len(policies):] + policies[:k % len(policies)]
-        for p in order:
-            reqs, tm = serve_measured(bench, p, trace, progress, f"real {p} @ {rate:g}/s")
-            runs.append({"policy": p, "rate": rate, "load": factor, "trace": trace,
-                         "records": real_records(bench, reqs), "steps": tm["steps"], "busy_wall_s": tm["busy_wall_s"],
-                         "overhead_ms": 1e3 * tm["overhead_per_step_s"]})
-            say(f"real {p} @ {rate:g} req/s: {summarize(runs[-1]['records'], duration=cfg.duration)['slo_attainment']:.1%}"
-                f" attainment")
+    for rep in range(args.repeats):  # the same traces again: how much the real server varies by itself
+        for k, factor in enumerate(cfg.load_factors):
+            rate = round(factor * cap, 2)
+            trace = bench.trace(rate, idle, k)
+            shift = (k + rep) % len(policies)
+            for p in policies[shift:] + policies[:shift]:
+                reqs, tm = serve_measured(bench, p, trace, progress, f"real {p} @ {rate:g}/s")
+                runs.append({"policy": p, "rate": rate, "load": factor, "repeat": rep, "trace": trace,
+                             "records": real_records(bench, reqs), "steps": tm["steps"],
+                             "busy_wall_s": tm["busy_wall_s"], "overhead_ms": 1e3 * tm["overhead_per_step_s"]})
+                say(f"real {p} @ {rate:g} req/s (pass {rep + 1}): "
+                    f"{summarize(runs[-1]['records'], duration=cfg.duration)['slo_attainment']:.1%} attainment")
     return {"info": info | {"real_wall_s": time.perf_counter() - t_start}, "items": items, "runs": runs,
             "profile": bench.profile.to_json(), "prior": {str(t): v for t, v in (bench.prior or {}).items()},
             "batch_buckets": list(bench.runner.decoder.config.batch_buckets),
             "length_buckets": sorted(set(bench.lengths.values()))}
 
 
-def compare_with_sim(measured: dict, seeds: int, source: str = "run") -> dict:
-    """The simulated side, fed only `measured`, side by side with the real runs."""
+def contention_timeline(run_: dict, step_time) -> tuple[tuple[float, float], ...]:
+    """The run's measured slowdown over time: each real step's duration over its modelled one, at the
+    step's start (seconds from the run's start)."""
+    start = run_["records"][0]["arrival"] - run_["trace"][0][0]  # the first arrival is start + its offset
+    rng = np.random.default_rng(0)
+    base = dataclasses.replace(step_time, noise=0.0, overhead_s=0.0, timeline=())
+    out = [(t0 - start, (t1 - t0) / pred) for kind, shapes, t0, t1 in run_["steps"]
+           if (pred := base.batch_seconds(kind, shapes, 1, rng)) > 0]
+    return tuple(sorted(out))
+
+
+def compare_with_sim(measured: dict, seeds: int, source: str = "run", noise: str = "timeline") -> dict:
+    """The simulated side, fed only `measured`, side by side with the real runs. noise "timeline": each
+    run's own measured slowdown over time is replayed; "iid": the pooled spread is resampled."""
     info, duration = measured["info"], measured["info"]["duration"]
     step_time, latency, spread = step_time_model(measured, source)
+    spread["noise"] = noise
     prior = {float(t): v for t, v in measured["prior"].items()} or None
     rows = []
     t_sim = time.perf_counter()
     for run_ in measured["runs"]:
         real = summarize(run_["records"], duration=duration)
-        sims = simulate(info, run_["policy"], run_["trace"], measured["items"], step_time=step_time, latency=latency,
+        st = step_time
+        if noise == "timeline":
+            st = dataclasses.replace(step_time, timeline=contention_timeline(run_, step_time))
+        elif noise != "iid":
+            raise ValueError(f"noise must be timeline or iid, got {noise!r}")
+        sims = simulate(info, run_["policy"], run_["trace"], measured["items"], step_time=st, latency=latency,
                         prior=prior, seeds=seeds)
         sim = _mean_rows(sims, duration)
         rows.append({"policy": run_["policy"], "rate": run_["rate"], "load": run_["load"],
-                     "real": real, "sim": sim, "compare": compare(real, sim)})
-    rows.sort(key=lambda r: (r["rate"], r["policy"]))
+                     "repeat": run_.get("repeat", 0), "real": real, "sim": sim, "compare": compare(real, sim)})
+    rows.sort(key=lambda r: (r["rate"], r["policy"], r["repeat"]))
     return {"info": info | {"step_time": spread, "sim_wall_s": time.perf_counter() - t_sim}, "rows": rows}
 
 
@@ -291,14 +329,14 @@ def run(args, say) -> dict:
 
             Profile.from_json(measured["profile"]).save(d / "profile.json")
             say(f"wrote {d / 'measured.json'} (re-simulate with --from) and {d / 'profile.json'}")
-    out = compare_with_sim(measured, args.sim_seeds, args.step_source)
+    out = compare_with_sim(measured, args.sim_seeds, args.step_source, args.noise)
     sp = out["info"]["step_time"]
     say(f"step time ({sp['source']}): actual/modelled median {sp['ratio_median']:.3f}, mean {sp['ratio_mean']:.3f} "
         f"(p10 {sp['ratio_p10']:.3f}, p90 {sp['ratio_p90']:.3f}) over {sp['steps']} steps; host time per step "
         f"{sp['overhead_per_step_ms']:.2f} ms")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / f"validate_{args.step_source}.json").write_text(json.dumps(out, indent=1, default=float))
+        (Path(args.out) / f"validate_{args.step_source}_{args.noise}.json").write_text(json.dumps(out, indent=1, default=float))
     return out
 
 
@@ -314,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, indent=1, default=float))
     else:
         print(format_rows(out["rows"]))
+        spread = real_repeatability(out["rows"])
+        if spread:
+            print("the real server against itself (same trace, another pass): " + "; ".join(
+                f"{p} @ {rate:g}: {d_att:+.1f} pts, {100 * d_lat:+.0f}%" for (p, rate), (d_att, d_lat) in spread.items()))
         ok = sum(r["compare"]["within"] for r in out["rows"])
         print(f"{ok}/{len(out['rows'])} points within the targets (attainment ±{TARGET_POINTS:g} points, mean latency "
               f"±{100 * TARGET_LATENCY:.0f}%); real side {out['info']['real_wall_s']:.0f} s, simulator "
