@@ -66,15 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "H100s (analytic LLaDA-8B), code trace and Poisson, across rates; then 16-64 devices.")
     p.add_argument("--trace", required=True, help="the Azure code trace CSV (e.g. ../shared/traces/azure_llm_2023_code.csv)")
     p.add_argument("--devices", type=int, default=8, help="devices of the main comparison (default 8)")
-    p.add_argument("--poisson-rates", type=float, nargs="+", default=[10, 20, 30, 45, 60, 80],
-                   help="Poisson rates in req/s (default 10 20 30 45 60 80)")
-    p.add_argument("--trace-scales", type=float, nargs="+", default=[4, 8, 12, 18, 24, 32],
-                   help="rate scales of the code trace (2.57 req/s native; default 4 8 12 18 24 32)")
+    p.add_argument("--poisson-rates", type=float, nargs="+", default=[20, 40, 60, 80, 100, 120],
+                   help="Poisson rates in req/s (default 20 40 60 80 100 120)")
+    p.add_argument("--trace-scales", type=float, nargs="+", default=[8, 16, 24, 32, 40, 48],
+                   help="rate scales of the code trace (2.57 req/s native; default 8 16 24 32 40 48)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per point (default 60)")
     p.add_argument("--scale-devices", type=int, nargs="*", default=[16, 32, 64],
                    help="device counts of the scaling runs (default 16 32 64; none to skip)")
-    p.add_argument("--scale-rate", type=float, default=40.0,
-                   help="Poisson rate per 8 devices in the scaling runs (default 40)")
+    p.add_argument("--scale-rate", type=float, default=60.0,
+                   help="Poisson rate per 8 devices in the scaling runs (default 60)")
+    p.add_argument("--scale-duration", type=float, default=30.0,
+                   help="seconds of arrivals per scaling run (default 30)")
     p.add_argument("--workloads", nargs="+", default=["code", "poisson"], choices=["code", "poisson"])
     p.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     p.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
@@ -99,7 +101,7 @@ def _jobs(args) -> list[dict]:
         for policy, layout, ablate in systems(n)[:3] + [("dilaserve", "auto", "")]:
             out.append({"workload": "poisson", "rate": rate, "trace": f"poisson:{rate}", "rate_scale": 1.0,
                         "lengths": args.trace, "devices": n, "policy": policy, "layout": layout, "ablate": ablate,
-                        "duration": args.duration, "seed": args.seed, "part": "scale"})
+                        "duration": args.scale_duration, "seed": args.seed, "part": "scale"})
     return out
 
 
