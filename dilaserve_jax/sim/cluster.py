@@ -23,13 +23,13 @@ import dataclasses
 import heapq
 import itertools
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from dilaserve_jax.serving.capacity import layout_text, moved_fraction, parse_layout, placements
 from dilaserve_jax.serving.cluster import InstanceInfo
 from dilaserve_jax.serving.engine import Engine, EngineSnapshot, Handoff, own_time
-from dilaserve_jax.serving.request import Request, RequestState
+from dilaserve_jax.serving.request import Request
 from dilaserve_jax.serving.router import NoInstanceAvailable, Router
 from dilaserve_jax.sim.executor import VirtualClock
 

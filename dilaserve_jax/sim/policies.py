@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from dilaserve_jax.serving.threshold import Decision, ThresholdController
+from dilaserve_jax.serving.threshold import ThresholdController
 
 ABLATIONS = ("threshold", "load", "reconfig", "migration")
 
@@ -77,4 +77,4 @@ class _FixedAtTauMax(ThresholdController):
         return cap, {rid: replace(d, tau=reqs[rid].tau_max) for rid, d in best.items()}
 
 
-__all__ = ["ABLATIONS", "Decision", "NoLoadControl", "UniformTau", "threshold_controller_class"]
+__all__ = ["ABLATIONS", "NoLoadControl", "UniformTau", "threshold_controller_class"]

@@ -33,8 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-import numpy as np
-
 from dilaserve_jax.tasks.eval import prompt_hash  # pure: the eval's JAX work is imported inside its functions
 
 # LLaDA-8B on GSM8K (5-shot), generation length 256, block 32, from Fast-dLLM: C. Wu et al.,
