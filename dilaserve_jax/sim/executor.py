@@ -58,7 +58,7 @@ class StepTimeModel:
     noise: float | tuple[float, ...] = 0.0
     overhead_s: float = 0.0
     # (seconds from the start, factor): a measured slowdown over time (a shared host's contention),
-    # replayed instead of `noise`: a step starting at t takes the factor of the latest entry <= t
+    # replayed instead of `noise`: from each entry's time on, work runs `factor` times slower
     timeline: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
@@ -82,6 +82,19 @@ class StepTimeModel:
             t = self.latency.predict(kind, b, l, block, tp)
         return t + self.overhead_s
 
+    def _stretched(self, start: float, work: float) -> float:
+        """Seconds that `work` nominal seconds take from `start` under the slowdown timeline."""
+        tl = self.timeline
+        i = max(0, bisect.bisect_right(tl, (start, math.inf)) - 1)
+        t, left = start, work
+        while True:
+            factor = max(tl[i][1], 1e-6)
+            end = tl[i + 1][0] if i + 1 < len(tl) else math.inf
+            if left * factor <= end - t:
+                return t + left * factor - start
+            left -= (end - t) / factor
+            t, i = end, i + 1
+
     def batch_seconds(self, kind: StepKind, shapes: Sequence[tuple[int, int]], tp: int, rng: np.random.Generator,
                       now: float = 0.0) -> float:
         """One step over requests of (canvas, block) shapes. With length buckets, as the real decoder
@@ -96,9 +109,8 @@ class StepTimeModel:
         else:
             t = self.mean(kind, len(shapes), max(c for c, _ in shapes), max(k for _, k in shapes), tp) - self.overhead_s
         if self.timeline:
-            i = bisect.bisect_right(self.timeline, (now, math.inf)) - 1
-            f = self.timeline[max(0, i)][1]
-        elif isinstance(self.noise, float):
+            return self._stretched(now, t) + self.overhead_s
+        if isinstance(self.noise, float):
             f = 1.0 if self.noise == 0 else math.exp(self.noise * rng.standard_normal() - self.noise ** 2 / 2)
         else:
             f = self.noise[int(rng.integers(len(self.noise)))]

@@ -141,3 +141,15 @@ def test_noise_is_multiplicative_and_reproducible():
     with pytest.raises(ValueError):
         StepTimeModel(latency, noise=-1.0)
     assert math.isfinite(base)
+
+
+def test_a_slowdown_timeline_stretches_only_the_work_inside_it():
+    latency = LatencyModel.from_profile(fake_profile())
+    st = StepTimeModel(latency, timeline=((0.0, 1.0), (1.0, 2.0), (1.5, 1.0)))
+    assert st._stretched(0.5, 0.25) == pytest.approx(0.25)  # before the slow spell
+    assert st._stretched(0.9, 0.5) == pytest.approx(0.1 + 2 * 0.25 + 0.15)  # through it: 0.25 of work at half speed
+    assert st._stretched(2.0, 1.0) == pytest.approx(1.0) and st._stretched(-1.0, 0.5) == pytest.approx(0.5)
+    rng = np.random.default_rng(0)
+    plain = StepTimeModel(latency).batch_seconds(StepKind.REUSE, [(128, 16)], 1, rng)
+    assert StepTimeModel(latency, timeline=((0.0, 3.0),)).batch_seconds(StepKind.REUSE, [(128, 16)], 1, rng, 5.0) == \
+        pytest.approx(3 * plain)
