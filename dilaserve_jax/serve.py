@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "deadline-first and adapting each request's confidence threshold. Defaults work on a "
                     "fresh machine: the embedded tiny model, loopback, CPU devices when there is no accelerator.")
     p.add_argument("--mesh", default="2x4", help='instances x TP degree, e.g. "2x4", "8", "8x1", "4+2+1+1" (default 2x4)')
-    p.add_argument("--model", default="tiny", help="preset (tiny, test), LLaDA HF directory, or orbax training directory")
+    p.add_argument("--model", default="tiny", help="preset (tiny, test, test_dream), HF directory (LLaDA or Dream), or orbax training directory")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"gRPC port (default {DEFAULT_PORT}; 0 = any free port)")
     p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
@@ -77,16 +77,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dilaserve_jax", "xla"),
                    help="persistent XLA compilation cache directory, so restarts skip recompiling ('none' disables)")
     p.add_argument("--grace-s", type=float, default=30.0, help="on SIGINT/SIGTERM, seconds to let calls finish (default 30)")
+    share = p.add_argument_group("sharing the machine (e.g. with a training job)")
+    share.add_argument("--devices", "--device-ids", dest="devices", metavar="IDS",
+                       help='serve on these visible devices only: "4-7", "4,5,6,7" or "0-1,6-7" (default all); '
+                            "the mesh must use exactly that many")
+    share.add_argument("--kv-memory-gb", type=float, metavar="GIB",
+                       help="per-device memory (GiB) for the decode slots' K/V cache and canvases: each instance "
+                            "gets as many slots as fit, at most --slots (default: --slots, whatever they take)")
+    share.add_argument("--watch-checkpoints", metavar="DIR",
+                       help="poll this orbax training directory (python -m dilaserve_jax.tasks.train --out DIR) and "
+                            "swap in each new finalized step; unreadable steps are skipped, the old weights stay")
+    share.add_argument("--watch-interval-s", type=float, default=10.0,
+                       help="seconds between polls of --watch-checkpoints (default 10)")
     add_distributed_args(p)
     return p
 
 
-def present_cpu_devices(mesh: str, processes: int) -> int:
-    """Ask for as many host (CPU) devices as the mesh needs, before JAX starts. Harmless with an
-    accelerator: the flag only shapes the CPU platform."""
+def present_cpu_devices(mesh: str, processes: int, device_ids: tuple[int, ...] | None = None) -> int:
+    """Ask for as many host (CPU) devices as the mesh (or the highest id of a device share) needs,
+    before JAX starts. Harmless with an accelerator: the flag only shapes the CPU platform."""
     from dilaserve_jax.mesh.spec import MeshSpec
 
-    needed = MeshSpec.parse(mesh).num_devices
+    needed = max(MeshSpec.parse(mesh).num_devices, max(device_ids) + 1 if device_ids else 0)
     per_process = -(-needed // max(1, processes))
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
@@ -101,8 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     try:
+        from dilaserve_jax.mesh.share import parse_device_ids
+
         dist = distributed_config(args)
-        cpu_devices = present_cpu_devices(args.mesh, dist.num_processes if dist else 1)
+        device_ids = parse_device_ids(args.devices) if args.devices is not None else None
+        if args.watch_interval_s <= 0:
+            raise ValueError(f"--watch-interval-s must be positive, got {args.watch_interval_s}")
+        cpu_devices = present_cpu_devices(args.mesh, dist.num_processes if dist else 1, device_ids)
         init_distributed(args)
         import jax
 
@@ -120,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                              default_slo_ms=args.default_slo_ms, tau_min=args.tau_min, tau_max=args.tau_max,
                              profile=args.profile, prior=args.prior,
                              default_max_new_tokens=args.default_max_new_tokens,
-                             step_timeout_s=args.step_timeout_s or None, controller=args.controller,
+                             step_timeout_s=args.step_timeout_s or None, devices=device_ids,
+                             kv_memory_gb=args.kv_memory_gb, controller=args.controller,
                              layouts=tuple(x for x in args.layouts.split(",") if x.strip()),
                              controller_config=ControllerConfig(interval_s=args.controller_interval_s,
                                                                 min_dwell_s=args.min_dwell_s,
@@ -134,10 +152,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         say(f"error: {err}")
         return 2
-    return asyncio.run(_serve(cluster, options, say))
+    watcher = None
+    if args.watch_checkpoints:
+        from dilaserve_jax.serving.checkpoint_watch import CheckpointWatcher, served_step
+
+        watcher = CheckpointWatcher(cluster, args.watch_checkpoints, interval_s=args.watch_interval_s, say=say,
+                                    after_step=served_step(cluster.model_source, args.watch_checkpoints))
+    return asyncio.run(_serve(cluster, options, say, watcher))
 
 
-async def _serve(cluster, options, say) -> int:
+async def _serve(cluster, options, say, watcher=None) -> int:
     from dilaserve_jax.frontend.server import start_server
 
     running = await start_server(cluster, options)
@@ -164,12 +188,21 @@ async def _serve(cluster, options, say) -> int:
         say(f"ready: serving {cluster.model_source} with policy {cluster.policy} on "
             f"{options.host}:{running.port} (try: python -m dilaserve_jax.client --target "
             f"{options.host}:{running.port}{token}{tls} \"sort 93142=\")")
+        if watcher is not None:
+            watcher.start()
+            say(f"watching {watcher.directory} for new training steps every {watcher.interval_s:g} s")
         await stop.wait()
+    if watcher is not None:
+        watcher.stop()
     say(f"draining: letting in-flight calls finish (up to {options.grace_s:.0f} s)")
     finished = await running.drain_and_stop()
-    cluster.stop()
+    cluster.stop(wait_background=False)
     say("stopped" if finished else "stopped with calls still in flight after the grace period")
-    if not warm.done():  # interrupted during compilation: leave without waiting for it
+    if not warm.done() or any(t.is_alive() for t in cluster.background):
+        # compilation still running (start-up, or the controller's background measurement): leave
+        # without waiting for it, and without finalising the interpreter under a running XLA thread
+        sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(0)
     return 0
 

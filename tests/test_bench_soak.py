@@ -22,4 +22,4 @@ def test_soak_loses_nothing(tmp_path):
     assert report["lost"] == 0 and report["calls"] == 60
     assert report["completed"] + report["rejected_by_design"] + report["cancelled"] == 60
     assert report["completed"] > 30 and report["reloads"] == 1
-    assert list(report["failures"]) == ["instance-0"]
+    assert list(report["failures"]) == ["tp1@0"]

@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cancel-rate", type=float, default=0.05, help="share of calls cancelled by the client")
     p.add_argument("--bad-rate", type=float, default=0.05, help="share of malformed calls")
     p.add_argument("--slo-ms", type=float, default=60_000.0, help="slo_ms of every call (default 60000)")
+    p.add_argument("--controller", default="manual", choices=("auto", "paused", "manual"),
+                   help="cluster controller of the server (default manual: the soak is about faults)")
     p.add_argument("--profile", help="step-latency profile JSON (default: measured at start-up, as serve does)")
     p.add_argument("--no-fault", action="store_true", help="do not inject the instance failure")
     p.add_argument("--no-reload", action="store_true", help="do not reload weights midway")
@@ -94,7 +96,8 @@ async def _soak(args) -> int:
     model = load_model("tiny")
     save_model_config(root / "tiny-copy", model.config)
     save_params(root / "tiny-copy", 1, model.params)
-    cluster = build_cluster(ServeConfig(mesh=args.mesh, slots=args.slots, profile=args.profile), say)
+    cluster = build_cluster(ServeConfig(mesh=args.mesh, slots=args.slots, profile=args.profile,
+                                        controller=args.controller), say)
     server = await start_server(cluster, ServerOptions(port=0, metrics_port=None, weights_roots=(str(root),)))
     cluster.start()
     await asyncio.to_thread(cluster.warm_up)

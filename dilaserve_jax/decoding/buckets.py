@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from dilaserve_jax.decoding.shift import dual_queries
+
 
 class CacheMode(str, Enum):
     """How reuse steps use the approximate KV cache.
@@ -75,15 +77,17 @@ class StepShape:
             raise ValueError(f"block and queries must fit the canvas length: {self}")
         if self.step in (StepType.FULL, StepType.REFRESH) and self.queries != self.length:
             raise ValueError(f"full-canvas steps query every position: {self}")
-        if self.step is StepType.DUAL and self.queries != self.block:
-            raise ValueError(f"dual-cache reuse steps query the block only: {self}")
+        if self.step is StepType.DUAL and not self.block <= self.queries <= self.block + 1:
+            raise ValueError(f"dual-cache reuse steps query the block only (plus the row before it for "
+                             f"shifted-logits models): {self}")
         if self.step is StepType.PREFIX and self.queries < self.block:
             raise ValueError(f"prefix-cache reuse steps query at least the block: {self}")
 
 
 def shapes_for(mode: CacheMode, batch_buckets: tuple[int, ...], length_buckets: tuple[int, ...],
-               block_buckets: tuple[int, ...]) -> list[StepShape]:
-    """Every step shape a decoder in `mode` can run: what start-up compiles ahead of time."""
+               block_buckets: tuple[int, ...], shift: int = 0) -> list[StepShape]:
+    """Every step shape a decoder in `mode` can run: what start-up compiles ahead of time.
+    shift: the model's logits shift (dual reuse steps then query one row before the block)."""
     shapes = []
     for length in length_buckets:
         for block in (b for b in block_buckets if b <= length):
@@ -93,7 +97,7 @@ def shapes_for(mode: CacheMode, batch_buckets: tuple[int, ...], length_buckets: 
                     continue
                 shapes.append(StepShape(StepType.REFRESH, batch, length, block, length))
                 if mode is CacheMode.DUAL:
-                    shapes.append(StepShape(StepType.DUAL, batch, length, block, block))
+                    shapes.append(StepShape(StepType.DUAL, batch, length, block, dual_queries(block, length, shift)))
                 else:
                     shapes.extend(StepShape(StepType.PREFIX, batch, length, block, q)
                                   for q in prefix_query_buckets(length, block))

@@ -18,6 +18,7 @@ import numpy as np
 from dilaserve_jax.decoding.buckets import (CacheMode, StepShape, StepType, bucket_for, powers_of_two_up_to,
                                             prefix_query_buckets, shapes_for)
 from dilaserve_jax.decoding.compiled import ADMIT, CompiledSteps, leaf_placement, put_small, replicated_on
+from dilaserve_jax.decoding.shift import dual_queries
 from dilaserve_jax.decoding.state import DecodeState, init_state, slots_for_budget
 from dilaserve_jax.models.config import ModelConfig
 
@@ -63,8 +64,9 @@ class DecoderConfig:
     def max_length(self) -> int:
         return self.length_buckets[-1]
 
-    def step_shapes(self) -> list[StepShape]:
-        return shapes_for(self.cache_mode, self.batch_buckets, self.length_buckets, self.block_buckets)
+    def step_shapes(self, shift: int = 0) -> list[StepShape]:
+        """shift: the model's logits shift (decoding/shift.py), which sets dual reuse steps' query rows."""
+        return shapes_for(self.cache_mode, self.batch_buckets, self.length_buckets, self.block_buckets, shift)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +117,7 @@ class SlotDecoder:
         self._placement = leaf_placement(params) + self._state_placement
         self._progress, self._eager_compile = progress, warm_up
         self._slots: dict[int, _Slot] = {}
-        self.warm_up_seconds = self.compiled.warm_up(config.step_shapes(), params, self.state, self._placement,
+        self.warm_up_seconds = self.compiled.warm_up(self.step_shapes(), params, self.state, self._placement,
                                                      progress) if warm_up else 0.0
 
     def warm_up(self, progress: bool | None = None, label: str = "") -> float:
@@ -123,10 +125,14 @@ class SlotDecoder:
         For callers that construct with warm_up=False to do this later (e.g. after a server is up);
         `label` names the progress bar (e.g. the instance)."""
         self._eager_compile = True
-        self.warm_up_seconds = self.compiled.warm_up(self.config.step_shapes(), self.params, self.state,
+        self.warm_up_seconds = self.compiled.warm_up(self.step_shapes(), self.params, self.state,
                                                      self._placement, self._progress if progress is None else progress,
                                                      label)
         return self.warm_up_seconds
+
+    def step_shapes(self) -> list[StepShape]:
+        """Every step shape this decoder can run (its model's logits shift included)."""
+        return self.config.step_shapes(self.cfg.logits_shift)
 
     @property
     def num_slots(self) -> int:
@@ -149,7 +155,7 @@ class SlotDecoder:
         if placement != self._placement:
             self._placement = placement
             if self._eager_compile:
-                self.compiled.warm_up(self.config.step_shapes(), params, self.state, placement, self._progress)
+                self.compiled.warm_up(self.step_shapes(), params, self.state, placement, self._progress)
 
     def admit(self, slot: int, prompt_tokens: Sequence[int], answer_length: int, block_length: int, *,
               temperature: float = 0.0, seed: int = 0, committed: Sequence[int | None] | None = None,
@@ -270,11 +276,12 @@ class SlotDecoder:
             return StepShape(StepType.FULL, batch, length, block, length)
         if refresh:
             return StepShape(StepType.REFRESH, batch, length, block, length)
+        shift = self.cfg.logits_shift
         if mode is CacheMode.DUAL:
-            return StepShape(StepType.DUAL, batch, length, block, block)
-        suffix = max(self._slots[s].prompt_len + self._slots[s].answer_len - self._slots[s].block_start
-                     for s in slots)
-        return StepShape(StepType.PREFIX, batch, length, block, bucket_for(suffix, prefix_query_buckets(length, block)))
+            return StepShape(StepType.DUAL, batch, length, block, dual_queries(block, length, shift))
+        queries = max(self._slots[s].prompt_len + self._slots[s].answer_len - self._slots[s].block_start
+                      for s in slots) + shift  # block + suffix, and the row before the block when shifted
+        return StepShape(StepType.PREFIX, batch, length, block, bucket_for(queries, prefix_query_buckets(length, block)))
 
     def _run(self, shape: StepShape, slots: list[int], taus: list[float]) -> list[SlotStep]:
         pad = shape.batch - len(slots)

@@ -1,4 +1,5 @@
-"""Reference LLaDA-style sampler: no cache, one full forward per step, host-side commit rule.
+"""Reference sampler (LLaDA-style blocks; Dream's shifted logits when the model has them): no
+cache, one full forward per step, host-side commit rule.
 
 Deliberately plain: it is the exact baseline the fast decoding path is tested against.
 """
@@ -99,6 +100,8 @@ def generate(graphdef, params, cfg: ModelConfig, prompt: list[int], gen_length: 
         lo, hi = p + block * block_length, min(p + (block + 1) * block_length, p + gen_length)
         while np.any(canvas[lo:hi] == cfg.mask_id) and not is_finished(canvas, p, cfg.mask_id, cfg.eos_id):
             logits = np.asarray(_logits(graphdef, params, jnp.asarray(canvas)))
+            if cfg.logits_shift:  # Dream's sampler: position 0 keeps its row, position i > 0 takes row i - 1
+                logits = np.concatenate([logits[:1], logits[:-1]])
             proposals, confidence = propose(logits[lo:hi], cfg.mask_id, temperature, rng)
             commit = commit_mask(canvas[lo:hi] == cfg.mask_id, confidence, threshold)
             canvas[lo:hi] = np.where(commit, proposals, canvas[lo:hi])

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from dilaserve_jax.decoding.buckets import StepShape, StepType
 from dilaserve_jax.decoding.commit import compact_commits, propose, request_finished, select_commits
+from dilaserve_jax.decoding.shift import logit_rows, reuse_query_start
 from dilaserve_jax.decoding.state import DecodeState
 from dilaserve_jax.models.config import ModelConfig
 from dilaserve_jax.models.llada import LayerKV, forward, write_kv
@@ -66,18 +67,22 @@ def decode_step(graphdef, params, state: DecodeState, slots, taus, *, shape: Ste
     window = block_start[:, None] + jnp.arange(block)[None, :]  # [B, block] commit window
     in_block = window < block_end[:, None]
 
+    shift = cfg.logits_shift
     if shape.step in (StepType.FULL, StepType.REFRESH):
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (canvas.shape[0], length))
+        rows = logit_rows(window, jnp.zeros_like(block_start), shift)
         logits, fresh_kv = forward(graphdef, params, canvas, positions, None, valid_len,
-                                   logits_at=jnp.minimum(window, length - 1))
+                                   logits_at=jnp.minimum(rows, length - 1))
     else:
         query_end = block_end if shape.step is StepType.DUAL else valid_len
-        q_pos = block_start[:, None] + jnp.arange(n_q)[None, :]
+        q_start = reuse_query_start(block_start, shift)
+        q_pos = q_start[:, None] + jnp.arange(n_q)[None, :]
         positions = jnp.where(q_pos < query_end[:, None], q_pos, length).astype(jnp.int32)
         q_tokens = jnp.take_along_axis(canvas, jnp.minimum(positions, length - 1), axis=1)
         cache = [LayerKV(_take_rows(kv.k, slots)[:, :length], _take_rows(kv.v, slots)[:, :length])
                  for kv in state.kv]
-        logits_at = None if n_q == block else jnp.broadcast_to(jnp.arange(block), (canvas.shape[0], block))
+        rows = logit_rows(window, q_start, shift)
+        logits_at = None if n_q == block and shift == 0 else jnp.minimum(rows, n_q - 1)
         logits, fresh_kv = forward(graphdef, params, q_tokens, positions, cache, valid_len, logits_at=logits_at)
 
     block_tokens = jnp.take_along_axis(canvas, jnp.minimum(window, length - 1), axis=1)

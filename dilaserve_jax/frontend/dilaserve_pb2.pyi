@@ -131,7 +131,7 @@ class InstanceState(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tp_degree: _Optional[int] = ..., device_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps_done: _Optional[int] = ..., state: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class ClusterState(_message.Message):
-    __slots__ = ("layout", "policy", "model", "instances", "serving", "family", "failures", "migrations", "reloads", "in_flight", "controller_mode", "decisions", "reconfigurations", "recent_migrations")
+    __slots__ = ("layout", "policy", "model", "instances", "serving", "family", "failures", "migrations", "reloads", "in_flight", "controller_mode", "decisions", "reconfigurations", "recent_migrations", "weight_updates", "checkpoint_watch")
     class FailuresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,13 @@ class ClusterState(_message.Message):
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     class MigrationsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class WeightUpdatesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +167,8 @@ class ClusterState(_message.Message):
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
     RECONFIGURATIONS_FIELD_NUMBER: _ClassVar[int]
     RECENT_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_WATCH_FIELD_NUMBER: _ClassVar[int]
     layout: str
     policy: str
     model: str
@@ -174,7 +183,27 @@ class ClusterState(_message.Message):
     decisions: _containers.RepeatedScalarFieldContainer[str]
     reconfigurations: _containers.RepeatedScalarFieldContainer[str]
     recent_migrations: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, layout: _Optional[str] = ..., policy: _Optional[str] = ..., model: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceState, _Mapping]]] = ..., serving: _Optional[bool] = ..., family: _Optional[str] = ..., failures: _Optional[_Mapping[str, str]] = ..., migrations: _Optional[_Mapping[str, int]] = ..., reloads: _Optional[int] = ..., in_flight: _Optional[int] = ..., controller_mode: _Optional[str] = ..., decisions: _Optional[_Iterable[str]] = ..., reconfigurations: _Optional[_Iterable[str]] = ..., recent_migrations: _Optional[_Iterable[str]] = ...) -> None: ...
+    weight_updates: _containers.ScalarMap[str, int]
+    checkpoint_watch: CheckpointWatch
+    def __init__(self, layout: _Optional[str] = ..., policy: _Optional[str] = ..., model: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceState, _Mapping]]] = ..., serving: _Optional[bool] = ..., family: _Optional[str] = ..., failures: _Optional[_Mapping[str, str]] = ..., migrations: _Optional[_Mapping[str, int]] = ..., reloads: _Optional[int] = ..., in_flight: _Optional[int] = ..., controller_mode: _Optional[str] = ..., decisions: _Optional[_Iterable[str]] = ..., reconfigurations: _Optional[_Iterable[str]] = ..., recent_migrations: _Optional[_Iterable[str]] = ..., weight_updates: _Optional[_Mapping[str, int]] = ..., checkpoint_watch: _Optional[_Union[CheckpointWatch, _Mapping]] = ...) -> None: ...
+
+class CheckpointWatch(_message.Message):
+    __slots__ = ("directory", "last_step", "reloads", "skipped", "last_error", "last_reload_seconds", "polls")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    RELOADS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LAST_RELOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POLLS_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    last_step: int
+    reloads: int
+    skipped: int
+    last_error: str
+    last_reload_seconds: float
+    polls: int
+    def __init__(self, directory: _Optional[str] = ..., last_step: _Optional[int] = ..., reloads: _Optional[int] = ..., skipped: _Optional[int] = ..., last_error: _Optional[str] = ..., last_reload_seconds: _Optional[float] = ..., polls: _Optional[int] = ...) -> None: ...
 
 class ReloadWeightsRequest(_message.Message):
     __slots__ = ("directory", "step")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 TAU_BUCKETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0)
 TOKEN_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
@@ -37,6 +37,19 @@ class _ClusterCollector:
         for tp, n in sorted(counts.items()):
             per_tp.add_metric([str(tp)], n)
         yield from (queue, running, up, layout, per_tp)
+        updates = CounterMetricFamily("dilaserve_weight_updates", "Weight swaps by origin (reload call, in-memory "
+                                      "push, checkpoint watcher)", labels=["origin"])
+        for origin, count in state.get("weight_updates", {}).items():
+            updates.add_metric([origin], count)
+        yield updates
+        watch = state.get("checkpoint_watch")
+        if watch is not None:
+            yield GaugeMetricFamily("dilaserve_checkpoint_watch_step", "Newest training step the checkpoint "
+                                    "watcher swapped in (-1 before any)", value=watch["last_step"])
+            yield CounterMetricFamily("dilaserve_checkpoint_watch_reloads", "Training steps the checkpoint "
+                                      "watcher swapped in", value=watch["reloads"])
+            yield CounterMetricFamily("dilaserve_checkpoint_watch_skipped", "Finalized training steps the "
+                                      "checkpoint watcher could not read and skipped", value=watch["skipped"])
 
 
 class ServingMetrics:

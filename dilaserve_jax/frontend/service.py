@@ -135,7 +135,8 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
             instances=instances, failures={k: bounded(v, 512) for k, v in state["failures"].items()},
             migrations=state["migrations"], reloads=state["reloads"], in_flight=state["in_flight"],
             controller_mode=state.get("controller_mode", ""), decisions=state.get("decisions", []),
-            reconfigurations=state.get("reconfigurations", []), recent_migrations=state.get("recent_migrations", []))
+            reconfigurations=state.get("reconfigurations", []), recent_migrations=state.get("recent_migrations", []),
+            weight_updates=state.get("weight_updates", {}), checkpoint_watch=_watch_state(state))
 
     async def _run(self, request, context, stream: bool):
         await _check_parsed(request, context)
@@ -272,6 +273,13 @@ def render_canvas(tok, answer: list[int]) -> str:
         else:
             out.append(tok.decode([t]) or "\ufffd")
     return "".join(out)
+
+
+def _watch_state(state: dict) -> pb.CheckpointWatch | None:
+    watch = state.get("checkpoint_watch")
+    if watch is None:
+        return None
+    return pb.CheckpointWatch(**{**watch, "last_error": bounded(watch["last_error"], 512)})
 
 
 async def _abort(context, code: grpc.StatusCode, message: str) -> None:

@@ -9,9 +9,13 @@ same process whose devices overlap its own the most (fewest bytes to move), devi
   device and the pieces copied out;
 - when every new shard is a run of whole old shards (TP 4 -> TP 2 or TP 1), those shards are copied
   to the new device and concatenated there;
-- otherwise (no such structure; not produced by the sharding table) the old instance all-gathers
-  the parameter on its own devices and one full copy is then sliced and copied out.
-`jax.device_put` alone would handle the last two by fetching the whole array to host memory.
+- when the old shards cut the array along other axes than the new ones (a training job's FSDP
+  rows -> serving TP columns), each new shard is assembled from the pieces of the old shards it
+  overlaps: every piece is cut on its own device, copied over, and the pieces are concatenated on
+  the new device (a grid of pieces, joined axis by axis). Only the new shard's own bytes move;
+- otherwise (shards that do not form a grid; no NamedSharding produces them) the old devices
+  all-gather the parameter and one full copy is then sliced and copied out.
+`jax.device_put` alone would handle the last three by fetching the whole array to host memory.
 
 Old and new copies coexist until the caller drops the old ones, so a device briefly holds both (and
 an all-gathered parameter, one at a time).
@@ -164,6 +168,73 @@ def _merge_plan(old: jax.Array, new_sharding) -> dict | None:
     return plan
 
 
+def _piece_plan(old: jax.Array, new_sharding) -> dict | None:
+    """{new device: [(box of the new shard's piece, old buffer holding it, slice of that buffer)]}
+    when the distinct old shards overlapping every new shard tile it as a grid; None otherwise."""
+    held: dict[tuple, object] = {}  # distinct old slice -> one buffer holding it
+    for s in old.addressable_shards:
+        held.setdefault(_normalized(s.index, old.shape), s)
+    plan = {}
+    for device, want in new_sharding.devices_indices_map(old.shape).items():
+        want_n = _normalized(want, old.shape)
+        pieces, volume = [], 0
+        for box, shard in held.items():
+            cut = tuple((max(h0, w0), min(h1, w1)) for (h0, h1, _), (w0, w1, _) in zip(box, want_n))
+            if any(a >= b for a, b in cut):
+                continue
+            same_device = next((s for s in old.addressable_shards if s.device == device
+                                and _normalized(s.index, old.shape) == box), shard)
+            local = tuple(slice(a - h0, b - h0) for (a, b), (h0, _, _) in zip(cut, box))
+            pieces.append((cut, same_device.data, local))
+            volume += int(np.prod([b - a for a, b in cut]))
+        if volume != int(np.prod([b - a for a, b, _ in want_n])) or _grid_order(
+                [p[0] for p in pieces], old.ndim) is None:
+            return None
+        plan[device] = pieces
+    return plan
+
+
+def _grid_order(boxes: list[tuple], ndim: int):
+    """Nested [(axis, [sub-orders])] that joins `boxes` axis by axis; None if they are no grid."""
+    if len(boxes) == 1:
+        return 0
+    for axis in range(ndim):
+        ranges = sorted({b[axis] for b in boxes})
+        if len(ranges) == 1:
+            continue
+        if any(r[1] != nxt[0] for r, nxt in zip(ranges, ranges[1:])):
+            return None  # overlapping or gapped ranges along this axis
+        groups = [[k for k, b in enumerate(boxes) if b[axis] == r] for r in ranges]
+        subs = [_grid_order([boxes[k] for k in g], ndim) for g in groups]
+        if any(s is None for s in subs):
+            return None
+        return axis, list(zip(groups, subs))
+    return None  # several boxes with equal ranges on every axis: duplicates
+
+
+def _join(arrays: list, order):
+    if order == 0:
+        return arrays[0]
+    axis, parts = order
+    return jnp.concatenate([_join([arrays[k] for k in group], sub) for group, sub in parts], axis=axis)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _cut(x, starts: tuple, stops: tuple):
+    """A static slice, run where `x` lives (eager lax.slice would send its bounds from the host)."""
+    return jax.lax.slice(x, starts, stops)
+
+
+def _assemble(pieces: list, device) -> jax.Array:
+    """Cut each piece on its own device, copy it to `device`, join the grid there."""
+    arrays = []
+    for _box, buffer, local in pieces:
+        whole = all(s.start == 0 and s.stop == n for s, n in zip(local, buffer.shape))
+        cut = buffer if whole else _cut(buffer, tuple(s.start for s in local), tuple(s.stop for s in local))
+        arrays.append(jax.device_put(cut, device))
+    return _join(arrays, _grid_order([p[0] for p in pieces], pieces[0][1].ndim))
+
+
 @functools.lru_cache(maxsize=64)
 def _all_gather_on(mesh: Mesh):
     return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
@@ -178,7 +249,7 @@ def _mesh_of(sharding) -> Mesh:
 def _needs_gather(old: jax.Array, new_sharding) -> bool:
     return not (len(old.sharding.device_set) == 1 or old.sharding.is_fully_replicated
                 or _old_shards_match(old, new_sharding) or _split_plan(old, new_sharding) is not None
-                or _merge_plan(old, new_sharding) is not None)
+                or _merge_plan(old, new_sharding) is not None or _piece_plan(old, new_sharding) is not None)
 
 
 def move(old: jax.Array, new_sharding) -> jax.Array:
@@ -195,6 +266,8 @@ def move(old: jax.Array, new_sharding) -> jax.Array:
     elif (merge := _merge_plan(old, new_sharding)) is not None:  # copy the old shards over, join them there
         pieces = {d: jnp.concatenate([jax.device_put(b, d) for b in buffers], axis=axis)
                   for d, (axis, buffers) in merge.items()}
+    elif (grid := _piece_plan(old, new_sharding)) is not None:  # cut, copy and join the overlapping pieces
+        pieces = {d: _assemble(parts, d) for d, parts in grid.items()}
     else:  # no regular structure: all-gather inside the old instance first
         return move(_all_gather_on(_mesh_of(old.sharding))(old), new_sharding)
     return jax.make_array_from_single_device_arrays(old.shape, new_sharding, [pieces[d] for d in new_sharding.addressable_devices])

@@ -3,6 +3,8 @@
 Megatron-style tensor parallelism, one all-reduce after attention and one after the MLP:
 - q/k/v kernels [d, heads*hd] split by output columns. Columns are head-major, so this splits by
   heads; attn_out [heads*hd, d] is split by rows to match, and its matmul ends in the all-reduce.
+  q/k/v biases [heads*hd] (Dream) are split like their kernels' columns, so each device adds the
+  bias slice of its own heads.
 - MLP gate/up [d, mlp] split by hidden columns, down (ff_out) [mlp, d] by rows.
 - RMSNorm weights are tiny: replicated.
 - Embedding wte [V, d] split by d_model columns: the token lookup is then a purely local gather
@@ -30,6 +32,7 @@ from dilaserve_jax.mesh.layout import MODEL_AXIS, Instance
 from dilaserve_jax.mesh.spec import MeshSpecError, check_model_tp, head_problems
 
 COLUMNS = P(None, MODEL_AXIS)
+VECTOR = P(MODEL_AXIS)  # a bias, split with its projection's columns
 ROWS = P(MODEL_AXIS, None)
 REPLICATED = P()
 
@@ -52,6 +55,8 @@ SHARDING_RULES: tuple[ShardingRule, ...] = (
     ShardingRule(r"^wte$", COLUMNS, "d_model"),
     ShardingRule(r"^blocks/\d+/q_proj/kernel$", COLUMNS, "heads"),
     ShardingRule(r"^blocks/\d+/(k_proj|v_proj)/kernel$", COLUMNS, "kv_heads"),
+    ShardingRule(r"^blocks/\d+/q_proj/bias$", VECTOR, "heads"),
+    ShardingRule(r"^blocks/\d+/(k_proj|v_proj)/bias$", VECTOR, "kv_heads"),
     ShardingRule(r"^blocks/\d+/attn_out/kernel$", ROWS, "heads"),
     ShardingRule(r"^blocks/\d+/(ff_proj|up_proj)/kernel$", COLUMNS, "mlp"),
     ShardingRule(r"^blocks/\d+/ff_out/kernel$", ROWS, "mlp"),

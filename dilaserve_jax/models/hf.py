@@ -1,4 +1,4 @@
-"""LLaDA-format Hugging Face checkpoints: config.json + *.safetensors (single file or sharded).
+"""Hugging Face checkpoints (LLaDA or Dream): config.json + *.safetensors (single file or sharded).
 
 Tensors are read one at a time, transposed and cast to the target dtype, and handed to `place`
 (device_put by default; the mesh code passes a sharded placement), so the checkpoint is never
@@ -7,7 +7,6 @@ held twice in host memory.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Callable
 
@@ -19,72 +18,36 @@ from flax import nnx
 
 from dilaserve_jax.models.config import ModelConfig
 from dilaserve_jax.models.files import read_json
+from dilaserve_jax.models.hf_formats import (FORMATS, CheckpointError, detect_family, dream_config, llada_config,
+                                             raw_config)
 from dilaserve_jax.models.llada import LLaDAModel
 
-# The one name table: HF key pattern -> (our parameter path, transpose torch [out, in] -> [in, out]).
-_BLOCK_PARAMS = {
-    "attn_norm": ("attn_norm", "weight", False),
-    "ff_norm": ("ff_norm", "weight", False),
-    "q_proj": ("q_proj", "kernel", True),
-    "k_proj": ("k_proj", "kernel", True),
-    "v_proj": ("v_proj", "kernel", True),
-    "attn_out": ("attn_out", "kernel", True),
-    "ff_proj": ("ff_proj", "kernel", True),
-    "up_proj": ("up_proj", "kernel", True),
-    "ff_out": ("ff_out", "kernel", True),
-}
-_TOP_PARAMS = {
-    "model.transformer.wte.weight": (("wte",), False),
-    "model.transformer.ln_f.weight": (("ln_f", "weight"), False),
-    "model.transformer.ff_out.weight": (("lm_head", "kernel"), True),
-}
-_BLOCK_KEY = re.compile(r"^model\.transformer\.blocks\.(\d+)\.(\w+)\.weight$")
+__all__ = ["CheckpointError", "abstract_params", "config_from_hf", "hf_key_to_param", "load_hf_params",
+           "param_to_hf_key", "read_hf_config", "save_hf_checkpoint"]
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that does not match the model: names the key and the shapes involved."""
-
-
-def hf_key_to_param(key: str) -> tuple[tuple, bool] | None:
+def hf_key_to_param(key: str, family: str = "llada") -> tuple[tuple, bool] | None:
     """Map an HF tensor name to (parameter path, transpose?), or None if it is not ours."""
-    if key in _TOP_PARAMS:
-        return _TOP_PARAMS[key]
-    m = _BLOCK_KEY.match(key)
-    if m and m.group(2) in _BLOCK_PARAMS:
-        module, leaf, transpose = _BLOCK_PARAMS[m.group(2)]
-        return ("blocks", int(m.group(1)), module, leaf), transpose
-    return None
+    return FORMATS[family].to_param(key)
 
 
-def param_to_hf_key(path: tuple) -> tuple[str, bool]:
-    for key, (p, transpose) in _TOP_PARAMS.items():
-        if p == path:
-            return key, transpose
-    if path[0] == "blocks":
-        for name, (module, leaf, transpose) in _BLOCK_PARAMS.items():
-            if (module, leaf) == tuple(path[2:]):
-                return f"model.transformer.blocks.{path[1]}.{name}.weight", transpose
-    raise KeyError(f"parameter {path} has no checkpoint name")
+def param_to_hf_key(path: tuple, family: str = "llada") -> tuple[str, bool]:
+    return FORMATS[family].to_key(path)
+
+
+def read_hf_config(path: str | Path) -> tuple[dict, str]:
+    """(config.json contents, family) of an HF checkpoint directory."""
+    path = Path(path)
+    raw = read_json(path / "config.json")
+    return raw, detect_family(raw, path / "config.json")
 
 
 def config_from_hf(path: str | Path, name: str | None = None, **overrides) -> ModelConfig:
-    """Build a ModelConfig from a LLaDA config.json."""
+    """Build a ModelConfig from a LLaDA or Dream config.json (the family is detected)."""
     path = Path(path)
-    raw = read_json(path / "config.json")
-    d_model, n_heads = raw["d_model"], raw["n_heads"]
-    mlp = raw.get("mlp_hidden_size") or int(raw.get("mlp_ratio", 4) * d_model)
-    values = dict(
-        name=name or raw.get("dilaserve_name", path.name),
-        vocab_size=raw.get("embedding_size") or raw["vocab_size"],
-        d_model=d_model, n_layers=raw["n_layers"], n_heads=n_heads,
-        n_kv_heads=raw.get("n_kv_heads") or n_heads, head_dim=raw.get("head_dim") or d_model // n_heads,
-        mlp_hidden=mlp, max_len=raw.get("max_sequence_length", 4096),
-        mask_id=raw.get("mask_token_id", 126336), eos_id=raw.get("eos_token_id", 126081),
-        pad_id=raw.get("pad_token_id", raw.get("eos_token_id", 126081)),
-        rope_theta=float(raw.get("rope_theta", 10000.0)), rms_eps=float(raw.get("rms_norm_eps", 1e-5)),
-    )
-    if raw.get("include_bias") or raw.get("weight_tying"):
-        raise CheckpointError("checkpoints with biases or tied embeddings are not supported")
+    raw, family = read_hf_config(path)
+    name = name or raw.get("dilaserve_name", path.name)
+    values = (dream_config if family == "dream" else llada_config)(raw, name, path / "config.json")
     values.update(overrides)
     return ModelConfig(**values)
 
@@ -127,9 +90,16 @@ def _np_dtype(dtype: str):
     return ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
 
 
+def _tied_embeddings(path: Path, family: str) -> bool:
+    """Dream configs may tie lm_head to the embedding (tie_word_embeddings; false in the released
+    checkpoints); the tied head is then loaded from the embedding tensor."""
+    config = path / "config.json"
+    return family == "dream" and config.exists() and bool(read_json(config).get("tie_word_embeddings"))
+
+
 def load_hf_params(path: str | Path, cfg: ModelConfig,
                    place: Callable[[tuple, np.ndarray], jax.Array] | None = None):
-    """Load a LLaDA safetensors checkpoint into (graphdef, params) for cfg.
+    """Load a safetensors checkpoint of cfg's family (LLaDA or Dream) into (graphdef, params) for cfg.
 
     place(path, array) puts one host array where it belongs (default: the default device).
     Raises CheckpointError naming the key for missing, unexpected or mis-shaped tensors.
@@ -137,17 +107,20 @@ def load_hf_params(path: str | Path, cfg: ModelConfig,
     from safetensors import safe_open
 
     path = Path(path)
+    fmt = FORMATS[cfg.family]
     graphdef, abstract = abstract_params(cfg)
     expected = _flat_shapes(abstract)
     place = place or (lambda _p, a: jnp.asarray(a))
     target = _np_dtype(cfg.param_dtype)
+    tied = _tied_embeddings(path, cfg.family)
     loaded: dict[tuple, jax.Array] = {}
     for fname, keys in _shard_files(path).items():
         with safe_open(str(path / fname), framework="numpy") as f:
             for key in keys:
-                mapped = hf_key_to_param(key)
+                mapped = fmt.to_param(key)
                 if mapped is None or mapped[0] not in expected:
-                    raise CheckpointError(f"unexpected tensor {key!r} in {fname}: the model has no such parameter")
+                    raise CheckpointError(f"unexpected tensor {key!r} in {fname}: the {cfg.family} model "
+                                          f"({'with' if cfg.qkv_bias else 'without'} q/k/v biases) has no such parameter")
                 ppath, transpose = mapped
                 shape = tuple(f.get_slice(key).get_shape())
                 want = expected[ppath].shape
@@ -156,15 +129,18 @@ def load_hf_params(path: str | Path, cfg: ModelConfig,
                     torch_want = want[::-1] if transpose else want
                     raise CheckpointError(f"tensor {key!r} has shape {shape}, the model expects {torch_want}")
                 array = f.get_tensor(key)
+                if tied and ppath == ("wte",) and ("lm_head", "kernel") not in loaded:
+                    loaded[("lm_head", "kernel")] = place(("lm_head", "kernel"),
+                                                         np.ascontiguousarray(array.T).astype(target, copy=False))
                 array = np.ascontiguousarray(array.T if transpose else array).astype(target, copy=False)
                 loaded[ppath] = place(ppath, array)
                 del array
-    missing = [param_to_hf_key(p)[0] for p in expected if p not in loaded]
+    missing = [p for p in expected if p not in loaded]
     if missing:
-        p = next(p for p in expected if param_to_hf_key(p)[0] == missing[0])
-        shape = expected[p].shape
-        raise CheckpointError(f"checkpoint {path} is missing tensor {missing[0]!r} (expected shape "
-                              f"{shape[::-1] if param_to_hf_key(p)[1] else shape}); {len(missing)} missing in all")
+        key, transpose = fmt.to_key(missing[0])
+        shape = expected[missing[0]].shape
+        raise CheckpointError(f"checkpoint {path} is missing tensor {key!r} (expected shape "
+                              f"{shape[::-1] if transpose else shape}); {len(missing)} missing in all")
     return graphdef, _fill(abstract, loaded)
 
 
@@ -181,14 +157,15 @@ def _fill(abstract_state, flat_values: dict[tuple, jax.Array]):
 
 def save_hf_checkpoint(path: str | Path, cfg: ModelConfig, params, *, max_shard_bytes: int | None = None,
                        extra_config: dict | None = None) -> None:
-    """Write params as a LLaDA-format checkpoint (config.json + safetensors, sharded past max_shard_bytes)."""
+    """Write params as a checkpoint of cfg's family (LLaDA or Dream names and config.json; safetensors,
+    sharded past max_shard_bytes, with the index)."""
     from safetensors.numpy import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for ppath, leaf in _flat_shapes(params).items():
-        key, transpose = param_to_hf_key(ppath)
+        key, transpose = param_to_hf_key(ppath, cfg.family)
         arr = np.asarray(jax.device_get(leaf))
         tensors[key] = np.ascontiguousarray(arr.T if transpose else arr)
     shards, current, size = [], {}, 0
@@ -208,13 +185,6 @@ def save_hf_checkpoint(path: str | Path, cfg: ModelConfig, params, *, max_shard_
             save_file(shard, str(path / fname))
             weight_map.update({k: fname for k in shard})
         (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
-    config = {
-        "model_type": "llada", "d_model": cfg.d_model, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim, "n_layers": cfg.n_layers, "mlp_hidden_size": cfg.mlp_hidden,
-        "vocab_size": cfg.vocab_size, "embedding_size": cfg.vocab_size, "max_sequence_length": cfg.max_len,
-        "mask_token_id": cfg.mask_id, "eos_token_id": cfg.eos_id, "pad_token_id": cfg.pad_id,
-        "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_eps, "include_bias": False, "weight_tying": False,
-        "torch_dtype": cfg.param_dtype, "dilaserve_name": cfg.name,
-    }
+    config = raw_config(cfg)
     config.update(extra_config or {})
     (path / "config.json").write_text(json.dumps(config, indent=1))

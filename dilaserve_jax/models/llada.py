@@ -1,7 +1,9 @@
-"""LLaDA-style masked-diffusion transformer in pure Flax NNX.
+"""Masked-diffusion transformer in pure Flax NNX: LLaDA, and Dream (Qwen2 blocks) by config.
 
-Bidirectional attention, pre-RMSNorm, rotate-half RoPE, SwiGLU MLP, no biases, untied LM head,
-grouped-query attention. The forward pass is shaped for cached decoding: it takes query tokens and
+Bidirectional attention, pre-RMSNorm, rotate-half RoPE, SwiGLU MLP, untied LM head, grouped-query
+attention. Dream's differences are ModelConfig flags: q/k/v biases (`qkv_bias`) and the Qwen2 norm
+order (`norm_weight_after_cast`); its shifted logits are the samplers' business (`logits_shift`),
+as in Dream's own code, so the forward pass is the same for both. The forward pass is shaped for cached decoding: it takes query tokens and
 their absolute positions, optionally a K/V cache covering the whole canvas, and returns logits for
 the queries plus the (post-RoPE) K/V it computed for them.
 """
@@ -29,24 +31,32 @@ class LayerKV(NamedTuple):
 
 
 class Dense(nnx.Module):
-    """Bias-free projection; kernel stored [in, out] (the transpose of torch's layout)."""
+    """Projection, optionally with a bias; kernel stored [in, out] (the transpose of torch's layout)."""
 
-    def __init__(self, d_in: int, d_out: int, *, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, d_in: int, d_out: int, *, param_dtype, rngs: nnx.Rngs, bias: bool = False):
         init = jax.nn.initializers.normal(stddev=d_in**-0.5)
         self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((d_out,), param_dtype)) if bias else None
 
     def __call__(self, x):
-        return x @ self.kernel[...].astype(x.dtype)
+        y = x @ self.kernel[...].astype(x.dtype)
+        return y if self.bias is None else y + self.bias[...].astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, param_dtype):
+    """x * rsqrt(mean(x^2) + eps) in float32. LLaDA multiplies by the weight in float32 and casts
+    once; Qwen2/Dream (weight_after_cast) casts back to the activation dtype first."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype, weight_after_cast: bool = False):
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
         self.eps = eps
+        self.weight_after_cast = weight_after_cast
 
     def __call__(self, x):
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.weight_after_cast:
+            return self.weight[...].astype(x.dtype) * y.astype(x.dtype)
         return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
@@ -75,12 +85,14 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         pd = _dtype(cfg.param_dtype)
         self.cfg = cfg
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_eps, param_dtype=pd)
-        self.q_proj = Dense(cfg.d_model, cfg.n_heads * cfg.head_dim, param_dtype=pd, rngs=rngs)
-        self.k_proj = Dense(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, param_dtype=pd, rngs=rngs)
-        self.v_proj = Dense(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, param_dtype=pd, rngs=rngs)
+        norm = dict(param_dtype=pd, weight_after_cast=cfg.norm_weight_after_cast)
+        qkv = dict(param_dtype=pd, rngs=rngs, bias=cfg.qkv_bias)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_eps, **norm)
+        self.q_proj = Dense(cfg.d_model, cfg.n_heads * cfg.head_dim, **qkv)
+        self.k_proj = Dense(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, **qkv)
+        self.v_proj = Dense(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, **qkv)
         self.attn_out = Dense(cfg.n_heads * cfg.head_dim, cfg.d_model, param_dtype=pd, rngs=rngs)
-        self.ff_norm = RMSNorm(cfg.d_model, cfg.rms_eps, param_dtype=pd)
+        self.ff_norm = RMSNorm(cfg.d_model, cfg.rms_eps, **norm)
         self.ff_proj = Dense(cfg.d_model, cfg.mlp_hidden, param_dtype=pd, rngs=rngs)  # SiLU gate
         self.up_proj = Dense(cfg.d_model, cfg.mlp_hidden, param_dtype=pd, rngs=rngs)
         self.ff_out = Dense(cfg.mlp_hidden, cfg.d_model, param_dtype=pd, rngs=rngs)  # down projection
@@ -104,14 +116,15 @@ class Block(nnx.Module):
 
 
 class LLaDAModel(nnx.Module):
-    """Masked-diffusion LM. Parameter names mirror the LLaDA checkpoint (see models/hf.py)."""
+    """Masked-diffusion LM (either family). Parameter names mirror the LLaDA checkpoint; models/hf.py
+    maps both families' checkpoint keys onto them."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         pd = _dtype(cfg.param_dtype)
         self.cfg = cfg
         self.wte = nnx.Param(jax.nn.initializers.normal(stddev=1.0)(rngs.params(), (cfg.vocab_size, cfg.d_model), pd))
         self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
-        self.ln_f = RMSNorm(cfg.d_model, cfg.rms_eps, param_dtype=pd)
+        self.ln_f = RMSNorm(cfg.d_model, cfg.rms_eps, param_dtype=pd, weight_after_cast=cfg.norm_weight_after_cast)
         self.lm_head = Dense(cfg.d_model, cfg.vocab_size, param_dtype=pd, rngs=rngs)
 
     def __call__(self, tokens, positions, kv_cache: Sequence[LayerKV] | None = None, valid_len=None,
@@ -125,6 +138,8 @@ class LLaDAModel(nnx.Module):
         logits_at: optional [B, O] query indices whose logits to return (a decoding step only needs
         the current block's; skipping the rest saves the LM head's cost on long canvases).
         Returns (logits [B, Q or O, V] float32, per-layer LayerKV of the queries [B, Q, KVH, D]).
+        Logits are unshifted: with cfg.logits_shift the row of position i scores position i + 1
+        (see `shift_logits`).
         """
         cfg = self.cfg
         b = tokens.shape[0]
@@ -150,6 +165,14 @@ def forward(graphdef, params, tokens, positions, kv_cache=None, valid_len=None, 
     """Pure forward over split (graphdef, params): what jitted serving code calls."""
     model = nnx.merge(graphdef, params)
     return model(tokens, positions, kv_cache, valid_len, logits_at)
+
+
+def shift_logits(logits, shift: int):
+    """Dream's sampler convention over a whole canvas [B, L, V]: with shift 1, position 0 keeps its
+    own logits and position i > 0 takes position i - 1's; shift 0 returns logits unchanged."""
+    if shift == 0:
+        return logits
+    return jnp.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
 
 
 def canvas_positions(batch: int, length: int):

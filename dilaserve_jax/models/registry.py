@@ -16,6 +16,7 @@ from dilaserve_jax.models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 CONFIG_FILE = "model_config.json"  # written next to orbax checkpoints by the training command
+RANDOM_PRESETS = ("test", "test_dream")  # presets load_model builds with seeded random weights
 
 
 @dataclass
@@ -39,21 +40,29 @@ def _read_model_config(directory: Path) -> tuple[ModelConfig, str]:
     return build_from_json(ModelConfig, data, directory / CONFIG_FILE), tokenizer
 
 
+def _has_hf_tokenizer(directory: Path) -> bool:
+    return (directory / "tokenizer.json").exists() or \
+        ((directory / "vocab.json").exists() and (directory / "merges.txt").exists())
+
+
 def _tokenizer_for(directory: Path | None, cfg: ModelConfig, kind: str | None = None) -> Tokenizer:
-    if directory is not None and (directory / "tokenizer.json").exists() and kind != "char":
-        return HFTokenizer(directory / "tokenizer.json", mask_id=cfg.mask_id, eos_id=cfg.eos_id, pad_id=cfg.pad_id)
+    """tokenizer.json, or vocab.json + merges.txt (Dream ships these), else the character vocabulary."""
+    if directory is not None and kind != "char" and _has_hf_tokenizer(directory):
+        return HFTokenizer(directory, mask_id=cfg.mask_id, eos_id=cfg.eos_id, pad_id=cfg.pad_id)
     if cfg.vocab_size == CharTokenizer.vocab_size:
         return CharTokenizer()
-    raise FileNotFoundError(f"no tokenizer.json in {directory} for a {cfg.vocab_size}-token vocabulary")
+    raise FileNotFoundError(f"no tokenizer.json or vocab.json + merges.txt in {directory} for a "
+                            f"{cfg.vocab_size}-token vocabulary")
 
 
 def load_model(source: str | Path, *, param_dtype: str | None = None, attention: str | None = None,
                place: Callable | None = None, step: int | None = None, seed: int = 0) -> LoadedModel:
-    """Load a model from a preset name, an HF LLaDA directory or an orbax training directory.
+    """Load a model from a preset name, an HF LLaDA or Dream directory, or an orbax training directory.
 
-    Presets: "tiny" (the trained embedded model), "test" (random weights, seeded). Directories:
-    config.json + *.safetensors (LLaDA format), or model_config.json + orbax steps (latest, or
-    `step`). param_dtype/attention override the stored configuration.
+    Presets: "tiny" (the trained embedded model), "test" / "test_dream" (random weights, seeded).
+    Directories: config.json + *.safetensors (LLaDA or Dream format, told apart by config.json's
+    model_type / architectures), or model_config.json + orbax steps (latest, or `step`).
+    param_dtype/attention override the stored configuration.
     """
     from dilaserve_jax.models.hf import config_from_hf, load_hf_params
 
@@ -67,7 +76,7 @@ def load_model(source: str | Path, *, param_dtype: str | None = None, attention:
         return load_model(directory, param_dtype=param_dtype, attention=attention, place=place)
     if name in presets.PRESETS and not Path(name).exists():
         cfg = presets.preset(name).replace(**overrides)
-        if name != "test":
+        if name not in RANDOM_PRESETS:
             raise ValueError(f"preset {name!r} has no embedded weights; pass a checkpoint directory "
                              "(the preset shape with random weights is available through models.init_model)")
         from dilaserve_jax.models.llada import init_model
@@ -92,4 +101,4 @@ def load_model(source: str | Path, *, param_dtype: str | None = None, attention:
         restored_step, params = restore_params(directory, abstract, step)
         return LoadedModel(cfg, graphdef, params, _tokenizer_for(directory, cfg, tok_kind),
                            f"orbax:{directory}@{restored_step}")
-    raise FileNotFoundError(f"{directory} holds neither config.json (HF LLaDA) nor {CONFIG_FILE} (orbax)")
+    raise FileNotFoundError(f"{directory} holds neither config.json (HF LLaDA or Dream) nor {CONFIG_FILE} (orbax)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
 
+from dilaserve_jax.models.files import read_json
+
 
 @runtime_checkable
 class Tokenizer(Protocol):
@@ -53,17 +55,82 @@ class CharTokenizer:
         return "".join(out)
 
 
+# Qwen2's pre-tokenization split (transformers' Qwen2Converter, convert_slow_tokenizer.py): the same
+# pipeline Dream's DreamTokenizer (a Qwen2Tokenizer) runs on vocab.json + merges.txt.
+QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def byte_level_bpe(vocab: str | Path, merges: str | Path):
+    """A Qwen2 byte-level BPE `tokenizers.Tokenizer` from vocab.json + merges.txt: NFC, the Qwen2
+    regex split, byte-level mapping without a prefix space, no unknown token."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+
+    tok = Tokenizer(BPE.from_file(str(vocab), str(merges), unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+_ADDED_TOKEN_FLAGS = ("special", "normalized", "lstrip", "rstrip", "single_word")
+
+
+def added_tokens(directory: Path) -> dict[int, dict]:
+    """{id: {content, special, normalized, ...}} from added_tokens.json (ids only; taken as special)
+    and tokenizer_config.json's added_tokens_decoder (full entries; these win)."""
+    found: dict[int, dict] = {}
+    path = directory / "added_tokens.json"
+    if path.exists():
+        found |= {int(i): {"content": content, "special": True} for content, i in read_json(path).items()}
+    path = directory / "tokenizer_config.json"
+    if path.exists():
+        decoder = read_json(path).get("added_tokens_decoder") or {}
+        found |= {int(i): dict(entry) for i, entry in decoder.items()}
+    return found
+
+
+def load_hf_tokenizer(path: str | Path):
+    """A `tokenizers.Tokenizer` from a tokenizer.json file, or from a directory holding either
+    tokenizer.json or vocab.json + merges.txt (Qwen2 byte-level BPE, as Dream ships) plus the
+    special tokens of tokenizer_config.json / added_tokens.json at their declared ids."""
+    from tokenizers import AddedToken, Tokenizer
+
+    path = Path(path)
+    if path.is_file():
+        return Tokenizer.from_file(str(path))
+    if (path / "tokenizer.json").exists():
+        return Tokenizer.from_file(str(path / "tokenizer.json"))
+    if not ((path / "vocab.json").exists() and (path / "merges.txt").exists()):
+        raise FileNotFoundError(f"{path} holds neither tokenizer.json nor vocab.json + merges.txt")
+    tok = byte_level_bpe(path / "vocab.json", path / "merges.txt")
+    for token_id, entry in sorted(added_tokens(path).items()):
+        content = entry["content"]
+        if tok.token_to_id(content) == token_id:
+            continue
+        if token_id != tok.get_vocab_size(with_added_tokens=True):
+            raise ValueError(f"{path}: added token {content!r} declares id {token_id}, but the next free id "
+                             f"is {tok.get_vocab_size(with_added_tokens=True)} (ids must follow the vocabulary)")
+        flags = {k: bool(entry.get(k, k == "special")) for k in _ADDED_TOKEN_FLAGS}
+        token = AddedToken(content, **flags)
+        (tok.add_special_tokens if flags["special"] else tok.add_tokens)([token])
+    return tok
+
+
 class HFTokenizer:
-    """A Hugging Face `tokenizer.json` loaded with the `tokenizers` library."""
+    """A Hugging Face tokenizer loaded with the `tokenizers` library: a tokenizer.json file, or a
+    checkpoint directory (see `load_hf_tokenizer`)."""
 
     def __init__(self, path: str | Path, *, mask_id: int, eos_id: int, pad_id: int):
-        from tokenizers import Tokenizer as _Tok
-
-        self._tok = _Tok.from_file(str(path))
+        self._tok = load_hf_tokenizer(path)
         self.vocab_size = self._tok.get_vocab_size()
         self.mask_id, self.eos_id, self.pad_id = mask_id, eos_id, pad_id
 
     def encode(self, text: str) -> list[int]:
+        """Plain text to ids; special tokens written in the text (e.g. chat markers) map to their ids."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], show_masks: bool = False) -> str:

@@ -4,6 +4,7 @@ This is executor-side code (it touches JAX); the policy modules it wires togethe
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -15,6 +16,7 @@ import jax
 
 from dilaserve_jax.kernels import describe_attention
 from dilaserve_jax.mesh import Layout, check_model_tp, load_into_layout
+from dilaserve_jax.mesh.share import GIB, bytes_per_device, device_bytes_per_slot, share_layout, slots_within
 from dilaserve_jax.models.hf import abstract_params
 from dilaserve_jax.serving import limits as defaults
 from dilaserve_jax.serving.autoscale import MODES, Autoscaler
@@ -36,7 +38,7 @@ class ServeConfig:
     mesh: str = "2x4"
     policy: str = "dilaserve"
     slots: int = defaults.DEFAULT_SLOTS  # per instance
-    length_buckets: tuple[int, ...] = ()  # default: half the model's max_len and max_len
+    length_buckets: tuple[int, ...] = ()  # default: half and all of min(max_len, DEFAULT_MAX_CANVAS)
     block_buckets: tuple[int, ...] = (32,)  # smaller client blocks run padded in the 32 bucket
     cache_mode: str = "dual"
     attention: str = "auto"
@@ -54,6 +56,8 @@ class ServeConfig:
     profile: str | None = None  # latency profile JSON; default: measured on the instances at start-up
     prior: str | None = None  # eval --json rows for the τ -> tokens/step prior; default: eval*.json beside the weights
     allow_unused_devices: bool = False
+    devices: tuple[int, ...] | None = None  # device ids to serve on (a share of the visible ones); None = all
+    kv_memory_gb: float | None = None  # per-device budget (GiB) for decode slots; sizes slots, at most `slots`
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -77,6 +81,12 @@ class ServeConfig:
             raise ValueError(f"controller must be one of {MODES}, got {self.controller!r}")
         for spec in self.layouts:
             parse_layout(spec)
+        if self.devices is not None:
+            object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
+            if not self.devices or len(set(self.devices)) != len(self.devices):
+                raise ValueError(f"devices must be distinct ids, got {self.devices}")
+        if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
+            raise ValueError(f"the KV memory budget must be positive, got {self.kv_memory_gb}")
 
 
 @dataclass
@@ -90,8 +100,13 @@ class ServingModel:
     per_instance: list = field(default_factory=list)
 
 
+DEFAULT_MAX_CANVAS = 4096  # default largest length bucket: Dream's config allows 32k-131k positions,
+#   whose K/V slots would not fit; pass length_buckets to go longer
+
+
 def _length_buckets(cfg: ServeConfig, max_len: int) -> tuple[int, ...]:
-    buckets = cfg.length_buckets or (max_len // 2, max_len)
+    top = min(max_len, DEFAULT_MAX_CANVAS)
+    buckets = cfg.length_buckets or (top // 2, top)
     if max(buckets) > max_len:
         raise ValueError(f"length bucket {max(buckets)} exceeds the model's max_len {max_len}")
     return tuple(sorted(set(buckets)))
@@ -104,17 +119,21 @@ def load_serving_model(cfg: ServeConfig, layout: Layout, source: str | None = No
     return ServingModel(model_cfg, graphdef, loaded.tokenizer, loaded.source, per_instance)
 
 
-def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print) -> Cluster:
+def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print, *, layout: Layout | None = None,
+                  model: ServingModel | None = None) -> Cluster:
     """Load, lay out and compile; returns a Cluster whose warm_up() compiles every instance, measures
-    the latency profile and (unless --controller manual) starts the cluster controller."""
-    layout = Layout.build(cfg.mesh, allow_unused=cfg.allow_unused_devices)
-    say(f"layout {layout} on {jax.device_count()} {jax.devices()[0].platform} device(s)")
+    the latency profile and (unless --controller manual) starts the cluster controller. `layout` and
+    `model` (already placed in it, e.g. from memory) replace building and loading them."""
+    layout = layout or share_layout(cfg.mesh, cfg.devices, allow_unused=cfg.allow_unused_devices)
+    share = f"devices {list(cfg.devices)} of " if cfg.devices is not None else ""
+    say(f"layout {layout} on {share}{jax.device_count()} {jax.devices()[0].platform} device(s)")
     t0 = time.perf_counter()
-    model = load_serving_model(cfg, layout)
+    model = model or load_serving_model(cfg, layout)
     layout.spec.check_model(model.config)
     say(f"model {model.source} ({model.config.num_params / 1e6:.2f} M parameters) loaded in "
         f"{time.perf_counter() - t0:.1f} s; attention: {describe_attention(model.config.attention)}")
     lengths = _length_buckets(cfg, model.config.max_len)
+    cfg = _fit_kv_budget(cfg, model.config, layout, max(lengths))
     given = LatencyModel.from_profile(Profile.load(cfg.profile)) if cfg.profile else None
     latency = {tp: given for tp in (given.tp_degrees if given else ())}
     builder = JaxInstanceBuilder(cfg, model, layout, lengths, _threshold_config(cfg, model.source, say),
@@ -123,6 +142,7 @@ def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print) -> Clust
     instances = builder.local_instances()
     engines = [builder.make_engine(inst, builder.params[instance_name(inst)]) for inst in instances]
     infos = [instance_info(inst) for inst in instances]
+    _say_memory(cfg, model.config, builder, instances, max(lengths), say)
     limits = Limits(max_len=max(lengths), vocab_size=model.config.vocab_size,
                     reserved_ids=frozenset({model.config.mask_id, model.config.pad_id}),
                     default_max_new_tokens=cfg.default_max_new_tokens,
@@ -138,7 +158,7 @@ def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print) -> Clust
 
     cluster = Cluster(engines, infos, layout=str(layout.spec), policy=cfg.policy, model_source=model.source,
                       tokenizer=model.tokenizer, limits=limits, loader=builder.load, warmup_fn=warm_up,
-                      step_timeout_s=cfg.step_timeout_s, family=getattr(model.config, "family", "llada"))
+                      step_timeout_s=cfg.step_timeout_s, family=model.config.family)
     cluster.builder = builder
     cluster.autoscaler = Autoscaler(cluster, None, mode=cfg.controller)
     return cluster
@@ -161,16 +181,41 @@ def candidate_tp_degrees(cfg: ServeConfig, model_cfg, num_devices: int) -> list[
     return out
 
 
+def _fit_kv_budget(cfg: ServeConfig, model_cfg, layout: Layout, length: int) -> ServeConfig:
+    """With a per-device KV budget: as many slots as it holds (at most `slots`) on an instance of the
+    narrowest TP degree any layout of these devices may use, so the budget holds after reshaping."""
+    if cfg.kv_memory_gb is None:
+        return cfg
+    tp = min(candidate_tp_degrees(cfg, model_cfg, len(layout.devices)) + [i.tp for i in layout.instances])
+    slots = slots_within(model_cfg, tp, length, int(cfg.kv_memory_gb * GIB), cfg.slots, cfg.cache_mode != "none")
+    return dataclasses.replace(cfg, slots=slots)
+
+
+def _say_memory(cfg: ServeConfig, model_cfg, builder, instances, length: int, say) -> None:
+    """Per instance: its slots and what its weights and decode state take on each of its devices."""
+    budget = f" (KV budget {cfg.kv_memory_gb:g} GiB per device)" if cfg.kv_memory_gb is not None else ""
+    for inst in instances:
+        weights = max(bytes_per_device(builder.params[instance_name(inst)]).values())
+        state = cfg.slots * device_bytes_per_slot(model_cfg, inst.tp, length, cfg.cache_mode != "none")
+        say(f"{instance_name(inst)}: {cfg.slots} slot(s); per device {weights / 2**20:.1f} MiB weights + "
+            f"{state / 2**20:.1f} MiB decode state{budget}")
+
+
 def start_controller(cluster: Cluster, builder: JaxInstanceBuilder, cfg: ServeConfig, say) -> None:
     """Measure the candidate TP degrees no profile covers (in the background: serving goes on),
-    then hand the controller to the cluster's autoscaler."""
+    then hand the controller to the cluster's autoscaler. The thread is not a daemon, and it checks
+    for the cluster stopping between measurements, so the process never exits mid-compile."""
     tps = candidate_tp_degrees(cfg, builder.model.config, len(builder.layout.devices))
 
     def setup() -> None:
         for tp in tps:
+            if cluster.stopping:
+                return
             if tp not in builder.latency:
                 say(f"controller: measuring TP {tp} for its latency model (serving goes on)")
                 builder.measure_tp(tp)
+        if cluster.stopping:
+            return
         ctl = ClusterController(cfg.controller_config, num_devices=len(builder.layout.devices), tp_degrees=tps,
                                 latency=dict(builder.latency), slots=cfg.slots,
                                 param_bytes=_param_bytes(builder.model.config), layouts=cfg.layouts or None,
@@ -178,7 +223,9 @@ def start_controller(cluster: Cluster, builder: JaxInstanceBuilder, cfg: ServeCo
         cluster.autoscaler.set_controller(ctl)
         say(f"controller: {cfg.controller}, {len(ctl.candidates)} candidate layouts over TP {tps}")
 
-    threading.Thread(target=setup, name="controller-setup", daemon=True).start()
+    thread = threading.Thread(target=setup, name="controller-setup")
+    cluster.background.append(thread)
+    thread.start()
 
 
 def _param_bytes(c) -> int:

@@ -107,12 +107,15 @@ class Cluster:
         self.switching = False
         self.builder = None  # executor-side InstanceBuilder (serving.reshape) for reconfigurations
         self.autoscaler = None  # serving.autoscale.Autoscaler running the cluster controller
+        self.background: list[threading.Thread] = []  # set-up work that stop() waits for
         self.reconfigurations: list = []  # ReshapeReports, newest last
         self._watchdog: threading.Thread | None = None
         self._stopping = threading.Event()
         self.failures: dict[str, str] = {}  # instance -> fault
         self.migrations: dict[str, int] = {}  # reason -> requests moved
         self.reloads = 0
+        self.weight_updates: dict[str, int] = {}  # origin ("reload", "push", "watch") -> swaps
+        self._status: dict[str, Callable[[], dict]] = {}
         self.ready = False
         for e in self.engines:
             e.on_failure = self._on_failure
@@ -135,10 +138,19 @@ class Cluster:
             self._watchdog.start()
         return self
 
-    def stop(self, timeout: float | None = 5.0) -> None:
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def stop(self, timeout: float | None = 5.0, wait_background: bool = True) -> None:
+        """Stop the controller, the engines and the watchdog. Background set-up work (a latency
+        measurement) is waited for unless `wait_background` is False (a process about to exit)."""
         self._stopping.set()
         if self.autoscaler is not None:
             self.autoscaler.stop()
+        if wait_background:
+            for t in self.background:  # let a measurement finish rather than die mid-compile
+                t.join()
         errors = []
         for e in [*self.engines, *self.retiring.values()]:
             try:
@@ -232,11 +244,26 @@ class Cluster:
                 prefer: str | None = None) -> None:
         """Place requests taken off an instance on the others (their next step is a refresh);
         `prefer`: the instance to place them on while it is healthy (a migration's target)."""
-        settled: list[tuple[Future, Any]] = []  # futures are resolved outside the lock: their callbacks take it
         with self._lock:
-            for h in handoffs:
-                tracked = self._inflight.get(h.request.id)
-                if tracked is None:  # resolved meanwhile
+            items = [(self._inflight[h.request.id], h) for h in handoffs if h.request.id in self._inflight]
+        self._place_all(items, exclude, prefer)
+        if handoffs:
+            self.migrations[reason] = self.migrations.get(reason, 0) + len(handoffs)
+            self._emit("migration", {"reason": reason, "count": len(handoffs)})
+
+    def place_held(self) -> None:
+        """Place the requests held while no instance was up (end of a reconfiguration)."""
+        with self._lock:
+            held, self._held = self._held, []
+        self._place_all(held)
+
+    def _place_all(self, items, exclude: frozenset[str] = frozenset(), prefer: str | None = None) -> None:
+        """Place (tracked, handoff) pairs; an abort asked for meanwhile ends the request instead.
+        Futures are resolved outside the lock: their callbacks take it."""
+        settled: list[tuple[Future, Any]] = []
+        with self._lock:
+            for tracked, h in items:
+                if h.request.id not in self._inflight:  # resolved meanwhile
                     continue
                 if h.request.id in self._abort_wanted:
                     h.request.transition(RequestState.FINISHED_ABORTED, self.clock())
@@ -251,9 +278,6 @@ class Cluster:
                 _fail(fut, outcome)
             else:
                 _resolve(fut, outcome)
-        if handoffs:
-            self.migrations[reason] = self.migrations.get(reason, 0) + len(handoffs)
-            self._emit("migration", {"reason": reason, "count": len(handoffs)})
 
     def _place_locked(self, tracked: _Tracked, h: Handoff, exclude: frozenset[str] = frozenset(),
                       prefer: str | None = None) -> None:
@@ -278,26 +302,6 @@ class Cluster:
                 continue
             tracked.instance = name
             return
-
-    def place_held(self) -> None:
-        """Place the requests held while no instance was up (end of a reconfiguration)."""
-        settled = []
-        with self._lock:
-            held, self._held = self._held, []
-            for tracked, h in held:
-                if h.request.id in self._abort_wanted:
-                    h.request.transition(RequestState.FINISHED_ABORTED, self.clock())
-                    settled.append((h.future, RequestResult.of(h.request)))
-                    continue
-                try:
-                    self._place_locked(tracked, h)
-                except NoInstanceAvailable as err:
-                    settled.append((h.future, err))
-        for fut, outcome in settled:
-            if isinstance(outcome, BaseException):
-                _fail(fut, outcome)
-            else:
-                _resolve(fut, outcome)
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
@@ -327,7 +331,8 @@ class Cluster:
                 log.exception("cluster listener failed on %s", event)
 
     # --- administration ---
-    def reload(self, source: str, step: int | None = None, timeout: float | None = 600.0) -> ReloadReport:
+    def reload(self, source: str, step: int | None = None, timeout: float | None = 600.0,
+               origin: str = "reload") -> ReloadReport:
         """Load new weights and swap them into every serving instance between two of its steps.
 
         Requests in flight keep running: each one's remaining steps use the new weights, starting
@@ -336,11 +341,31 @@ class Cluster:
         old weights keep serving)."""
         if self._loader is None:
             raise ValueError("this cluster cannot reload weights")
-        if not self._admin.acquire(blocking=False):
+        return self._swap_weights(lambda: self._loader(source, step), timeout, None, origin)
+
+    def swap_in(self, new: NewWeights | Callable[[], NewWeights], timeout: float | None = 600.0,
+                wait_s: float | None = None, origin: str = "push") -> ReloadReport:
+        """Swap weights already placed on every instance's devices (e.g. pushed in memory by a
+        training job) in, exactly as `reload` does after loading. `new` may be a function giving them,
+        called while no reload or reconfiguration can start. `wait_s`: how long to wait for one under
+        way (None: raise ClusterBusy at once)."""
+        return self._swap_weights(new if callable(new) else lambda: new, timeout, wait_s, origin)
+
+    def add_status(self, name: str, status: Callable[[], dict]) -> None:
+        """Report `status()` under `name` in state() (e.g. a checkpoint watcher's progress)."""
+        self._status = {**self._status, name: status}
+
+    def _swap_weights(self, make: Callable[[], NewWeights], timeout: float | None, wait_s: float | None,
+                      origin: str) -> ReloadReport:
+        got = self._admin.acquire(blocking=False) if wait_s is None else self._admin.acquire(timeout=wait_s)
+        if not got:
             raise ClusterBusy("another reload or reconfiguration is in progress")
         try:
             t0 = time.perf_counter()
-            new = self._loader(source, step)
+            new = make()
+            missing = sorted({e.name for e in self.healthy_engines} - set(new.params))
+            if missing:
+                raise WeightsError(f"the new weights hold no params for instance(s) {missing}")
             swaps = {e.name: e.swap_weights(new.params[e.name]) for e in self.healthy_engines}
             swapped = {}
             for name, fut in swaps.items():
@@ -350,8 +375,9 @@ class Cluster:
                     pass
             self.model_source = new.source
             self.reloads += 1
+            self.weight_updates[origin] = self.weight_updates.get(origin, 0) + 1
             report = ReloadReport(new.source, time.perf_counter() - t0, swapped)
-            self._emit("reload", {"source": new.source, "seconds": report.seconds})
+            self._emit("reload", {"source": new.source, "seconds": report.seconds, "origin": origin})
             return report
         finally:
             self._admin.release()
@@ -380,12 +406,13 @@ class Cluster:
         ctl = getattr(scaler, "controller", None)
         return {"layout": self.layout, "policy": self.policy, "model": self.model_source, "family": self.family,
                 "instances": instances, "failures": dict(self.failures), "migrations": dict(self.migrations),
-                "reloads": self.reloads, "in_flight": self.in_flight(),
+                "reloads": self.reloads, "in_flight": self.in_flight(), "weight_updates": dict(self.weight_updates),
                 "controller_mode": scaler.mode if scaler is not None else "manual",
                 "decisions": [str(d) for d in list(ctl.history)[-8:]] if ctl is not None else [],
                 "reconfigurations": [str(r) for r in self.reconfigurations[-8:]],
                 "recent_migrations": [f"{m.request_id}: {m.source} -> {m.target} ({m.reason})"
-                                      for _, m in list(getattr(scaler, "migrations", []))[-8:]]}
+                                      for _, m in list(getattr(scaler, "migrations", []))[-8:]],
+                **{name: status() for name, status in self._status.items()}}
 
 
 def _fail(fut: Future, err: BaseException) -> None:

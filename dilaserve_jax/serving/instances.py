@@ -180,6 +180,16 @@ class JaxInstanceBuilder:
             self.model.source = new.source
         return NewWeights(new.source, by_name)
 
+    def adopt(self, params: dict, source: str, layout: Layout) -> NewWeights:
+        """Weights already placed on `layout`'s instances (pushed in memory) become the current ones;
+        WeightsError if the layout has changed since (place them again)."""
+        with self._lock:
+            if self.layout is not layout:
+                raise WeightsError("the layout changed while the weights were placed")
+            self.params.update(params)
+            self.model.source = source
+        return NewWeights(source, dict(params))
+
     def _source_for(self, inst: Instance):
         ids = set(inst.device_ids)
         best = max(self.layout.instances, key=lambda i: (len(ids & set(i.device_ids)), -i.index))

@@ -42,19 +42,19 @@ def tiny_server(tmp_path_factory, weights_root):
     fake_profile().save(profile)  # scheduling only: answers do not depend on step-time predictions
     cfg = ServeConfig(model="tiny", mesh="2x1", slots=4, length_buckets=(64,), block_buckets=(16,),
                       default_block_length=16, default_max_new_tokens=16, profile=str(profile),
-                      allow_unused_devices=True, default_slo_ms=600_000)
+                      allow_unused_devices=True, default_slo_ms=600_000, controller="manual")
     server = ServerThread(build_cluster(cfg, say=lambda _m: None), weights_roots=(str(weights_root),)).ready()
     yield server
     server.stop()
 
 
-def test_64_concurrent_requests_match_the_decoding_path(tiny_server):
-    prompts = _prompts(64)
+def call_concurrently(server, prompts):
+    """One gRPC call per prompt, all at once (τ fixed at TAU); returns (replies by index, errors)."""
     replies, errors = {}, []
 
     def call(i, text, gen):
         try:
-            with tiny_server.client() as c:
+            with server.client() as c:
                 replies[i] = c.generate(text, max_new_tokens=gen, block_length=16, tau_min=TAU, tau_max=TAU)
         except grpc.RpcError as err:  # recorded, then asserted on the main thread
             errors.append((i, err.code(), err.details()))
@@ -64,8 +64,14 @@ def test_64_concurrent_requests_match_the_decoding_path(tiny_server):
         t.start()
     for t in threads:
         t.join(600)
+    return replies, errors
+
+
+def test_64_concurrent_requests_match_the_decoding_path(tiny_server):
+    prompts = _prompts(64)
+    replies, errors = call_concurrently(tiny_server, prompts)
     assert not errors and len(replies) == 64
-    assert {r.instance for r in replies.values()} == {"instance-0", "instance-1"}  # both instances served
+    assert {r.instance for r in replies.values()} == {"tp1@0", "tp1@1"}  # both instances served
 
     model = load_model("tiny")
     decoder = SlotDecoder(model.config, model.graphdef, model.params,
@@ -137,7 +143,7 @@ def test_serve_command_starts_answers_and_stops_on_sigterm(tmp_path):
         assert port and "ready:" in log, log[-3000:]
         assert "presenting 8 CPU devices" in log and "2x4 = TP4[0-3] + TP4[4-7]" in log
         assert "Unable to initialize backend" not in log and "auth: off" in log and "allowed on loopback" in log
-        assert "instance-1: compiling decode steps" in log  # the progress bar names its instance
+        assert "tp4@4-7: compiling decode steps" in log  # the progress bar names its instance
         out = subprocess.run([sys.executable, "-m", "dilaserve_jax.client", "--target", f"127.0.0.1:{port}",
                               "--max-new-tokens", "12", "--block-length", "12", "--tau-min", "1", "--tau-max", "1",
                               "--json", "sort 93142="], capture_output=True, text=True, timeout=120)
@@ -177,10 +183,10 @@ def _perturbed_tiny(directory, step, seed):
     return model.config, model.graphdef, params
 
 
-def _offline(params_of, prompts):
+def _offline(params_of, prompts, cache="dual"):
     cfg, graphdef, params = params_of
     model = load_model("tiny")
-    decoder = SlotDecoder(cfg, graphdef, params, DecoderConfig(4, (64,), (16,)), progress=False)
+    decoder = SlotDecoder(cfg, graphdef, params, DecoderConfig(4, (64,), (16,), cache), progress=False)
     requests = [DecodeRequest(tuple(model.tokenizer.encode(t)), g, 16, TAU) for t, g in prompts]
     return [r.answer for r in generate_many(decoder, requests)[0]]
 
@@ -232,55 +238,52 @@ def test_reload_racing_in_flight_calls(tiny_server, weights_root, shipped_copy):
     assert checked["old"] >= 8 and checked["new"] >= 8, checked
 
 
-def test_a_failed_instance_hands_its_calls_to_the_other(tmp_path):
-    """Over gRPC with the real model (cache none): instance-0's runner raises mid-run; every call
-    still succeeds with the offline decoder's tokens, and the state shows the failure."""
+def test_failed_instances_hand_their_calls_to_the_survivor(tmp_path):
+    """Over gRPC with the real model (cache none), three of four instances fail mid-run, one way
+    each: a runner that raises, an engine loop killed by a scheduler fault, a step that hangs past
+    the watchdog. Every call still succeeds with the offline decoder's tokens; the state shows it."""
     profile = tmp_path / "profile.json"
     fake_profile().save(profile)
-    cfg = ServeConfig(model="tiny", mesh="2x1", slots=4, length_buckets=(64,), block_buckets=(16,),
+    cfg = ServeConfig(model="tiny", mesh="4x1", slots=4, length_buckets=(64,), block_buckets=(16,),
                       default_block_length=16, profile=str(profile), allow_unused_devices=True, cache_mode="none",
-                      default_slo_ms=600_000, policy="fcfs-static")
+                      default_slo_ms=600_000, policy="fcfs-static", controller="manual", step_timeout_s=3.0)
     cluster = build_cluster(cfg, say=lambda _m: None)
-    runner = cluster.engine("instance-0").runner
-    calls = {"n": 0}
-    real_step = runner.step
-
-    def faulty(kind, slots, taus):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise RuntimeError("injected device fault")
-        return real_step(kind, slots, taus)
-
-    runner.step = faulty
+    raising, dying, hanging = (cluster.engine(f"tp1@{i}") for i in range(3))
+    _fault_on_call(raising.runner, "step", 4, lambda: (_ for _ in ()).throw(RuntimeError("injected device fault")))
+    _fault_on_call(dying.scheduler, "update", 4, lambda: (_ for _ in ()).throw(KeyError("injected scheduler bug")))
+    _fault_on_call(hanging.runner, "step", 4, lambda: time.sleep(8.0))
     server = ServerThread(cluster).ready()
     try:
-        prompts = _prompts(16)
-        replies, errors = {}, []
-
-        def call(i, text, gen):
-            try:
-                with server.client() as c:
-                    replies[i] = c.generate(text, max_new_tokens=gen, block_length=16, tau_min=TAU, tau_max=TAU)
-            except grpc.RpcError as err:
-                errors.append((i, err.code(), err.details()))
-
-        threads = [threading.Thread(target=call, args=(i, t, g)) for i, (t, g) in enumerate(prompts)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(600)
-        assert not errors and len(replies) == 16
+        prompts = _prompts(24)
+        replies, errors = call_concurrently(server, prompts)
+        assert not errors and len(replies) == 24
         model = load_model("tiny")
-        expected = _offline((model.config, model.graphdef, model.params), prompts)
+        expected = _offline((model.config, model.graphdef, model.params), prompts, cache="none")
         for i, r in replies.items():
-            assert list(r.token_ids) == expected[i][:prompts[i][1]]
-        assert any(r.moves for r in replies.values()), "some call was running on the failed instance"
+            assert list(r.token_ids) == expected[i][:prompts[i][1]], (prompts[i], r.moves, r.instance)
+        assert any(r.moves for r in replies.values()), "some call was on a failed instance"
         with server.client() as c:
             state = c.cluster_state()
-        assert state.instances[0].state == "failed" and "injected" in state.instances[0].error
+        by_name = {i.name: i for i in state.instances}
+        assert "injected device fault" in by_name["tp1@0"].error and "injected scheduler bug" in by_name["tp1@1"].error
+        assert "watchdog" in by_name["tp1@2"].error and by_name["tp1@3"].state == "running"
+        assert [i.state for i in state.instances] == ["failed", "failed", "failed", "running"]
         assert state.serving and state.migrations["failure"] >= 1
     finally:
+        time.sleep(6.0)  # the hung step returns; its dead loop must leave everything alone
         server.stop()
+
+
+def _fault_on_call(obj, method, n, fault):
+    """Make obj.method run `fault()` instead of itself on its n-th call (an instance attribute)."""
+    real, calls = getattr(obj, method), {"n": 0}
+
+    def wrapper(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == n:
+            fault()
+        return real(*a, **kw)
+    setattr(obj, method, wrapper)
 
 
 def _write(directory, files):

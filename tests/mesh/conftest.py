@@ -1,6 +1,5 @@
 """Shared fixtures for the mesh tests: a test-sized model whose 8 heads allow TP up to 8."""
 import jax
-import numpy as np
 import pytest
 from flax import nnx
 
@@ -24,10 +23,3 @@ def model(cfg):
     """(graphdef, params on the default device)."""
     assert len(jax.devices()) == 8, "the mesh tests need 8 fake CPU devices (tests/conftest.py sets XLA_FLAGS)"
     return nnx.split(init_model(cfg, seed=3))
-
-
-def host_copy(params) -> dict:
-    """{path: numpy array} for bit-for-bit comparisons."""
-    from dilaserve_jax.mesh.sharding import param_path
-
-    return {param_path(kp): np.asarray(jax.device_get(leaf)) for kp, leaf in jax.tree_util.tree_leaves_with_path(params)}

@@ -2,7 +2,7 @@
 import jax
 import numpy as np
 import pytest
-from conftest import host_copy
+from mesh_support import host_copy
 
 from dilaserve_jax.mesh import Layout, abstract_sharded_params, load_into_layout, param_shardings
 from dilaserve_jax.models.checkpoint import save_params

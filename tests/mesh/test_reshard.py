@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from conftest import host_copy
+from mesh_support import host_copy
 
 from dilaserve_jax.decoding import reference
 from dilaserve_jax.mesh import CompileCache, CompileKey, Layout, place_params, replicate_to_instances, reshard
@@ -106,7 +106,7 @@ def test_finer_split_slices_on_device_without_gathering(model, cfg):
 
 
 @pytest.mark.parametrize("old_spec, new_spec, path", [
-    (P(None, "model"), P("model", None), "gather"),  # no regular structure: all-gather fallback
+    (P(None, "model"), P("model", None), "pieces"),  # columns -> rows: cut, copy and join the overlaps
     (P(None, "model"), P(None, "model"), "merge"),  # 4 -> 2 devices: join pairs
     (P(None, "model"), P(), "merge"),
     (P("model", None), P("model", None), "split"),  # 2 -> 4 devices, as 4 -> 8 below
@@ -114,7 +114,7 @@ def test_finer_split_slices_on_device_without_gathering(model, cfg):
 def test_move_never_goes_through_host(old_spec, new_spec, path):
     from jax.sharding import Mesh, NamedSharding
 
-    from dilaserve_jax.mesh.reshard import _merge_plan, _needs_gather, _split_plan, move
+    from dilaserve_jax.mesh.reshard import _merge_plan, _needs_gather, _piece_plan, _split_plan, move
 
     devices = jax.devices()
     n_old = 2 if path == "split" else 4
@@ -122,9 +122,10 @@ def test_move_never_goes_through_host(old_spec, new_spec, path):
     value = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
     old = jax.device_put(value, NamedSharding(old_mesh, old_spec))
     target = NamedSharding(new_mesh, new_spec)
-    assert _needs_gather(old, target) == (path == "gather")
+    assert not _needs_gather(old, target)
     assert (_split_plan(old, target) is not None) == (path == "split")
     assert (_merge_plan(old, target) is not None) == (path == "merge")
+    assert _piece_plan(old, target) is not None  # the general plan covers the special ones too
     with _host_refused(None):
         new = move(old, target)
     assert new.sharding == target
@@ -162,3 +163,63 @@ def test_returning_to_a_layout_reuses_compiled_steps(model, cfg):
     assert CompileKey.of(layout.instances[1], ("full", 1, 12)) == CompileKey(4, (4, 5, 6, 7), ("full", 1, 12))
     with pytest.raises(ValueError, match="does not match"):
         CompileKey(2, (0,), "b")
+
+
+def test_all_gather_fallback_still_moves_device_to_device(monkeypatch):
+    """Shardings whose pieces form no grid (none of the table's) take the all-gather path."""
+    from jax.sharding import Mesh, NamedSharding
+
+    import importlib
+
+    reshard_module = importlib.import_module("dilaserve_jax.mesh.reshard")  # the package exports the function
+    monkeypatch.setattr(reshard_module, "_piece_plan", lambda old, new: None)
+    devices = jax.devices()
+    value = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
+    old = jax.device_put(value, NamedSharding(Mesh(np.array(devices[:4]), ("model",)), P(None, "model")))
+    target = NamedSharding(Mesh(np.array(devices[4:6]), ("model",)), P("model", None))
+    assert reshard_module._needs_gather(old, target)
+    with _host_refused(None):
+        new = reshard_module.move(old, target)
+    assert new.sharding == target
+    np.testing.assert_array_equal(np.asarray(new), value)
+
+
+def _training_shardings(params, mesh, style):
+    """FSDP: every parameter's first divisible axis split over all 4 devices; 2d: ("data", "model")
+    tiles over a 2x2 mesh where both axes divide."""
+    from jax.sharding import NamedSharding
+
+    def spec(x):
+        if style == "fsdp":
+            axis = next((a for a, n in enumerate(x.shape) if n % 4 == 0), None)
+            return P() if axis is None else P(*([None] * axis), "fsdp")
+        return P("data", "model") if x.ndim == 2 and x.shape[0] % 2 == 0 and x.shape[1] % 2 == 0 else P()
+
+    return jax.tree_util.tree_map(lambda x: NamedSharding(mesh, spec(x)), params)
+
+
+@pytest.mark.parametrize("style", ["fsdp", "2d"])
+def test_training_sharding_on_devices_0_3_reaches_tp2_serving_on_4_7_without_host(model, cfg, style):
+    from jax.sharding import Mesh
+
+    from dilaserve_jax.mesh.reshard import _needs_gather
+
+    want = host_copy(model[1])
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices[:4]), ("fsdp",)) if style == "fsdp" else \
+        Mesh(np.array(devices[:4]).reshape(2, 2), ("data", "model"))
+    trained = jax.device_put(model[1], _training_shardings(model[1], mesh, style))
+    assert {d.id for leaf in jax.tree_util.tree_leaves(trained) for d in leaf.sharding.device_set} == {0, 1, 2, 3}
+    layout = Layout.build("2x2", devices=devices[4:], config=cfg)
+    for inst in layout.instances:
+        shardings = param_shardings(trained, inst, cfg)
+        gathers = [path for path, (leaf, s) in zip(want, zip(jax.tree_util.tree_leaves(trained),
+                                                              jax.tree_util.tree_leaves(shardings)))
+                   if _needs_gather(leaf, s)]
+        assert gathers == []  # every serving shard is cut from the training shards directly
+        with _host_refused(None):
+            served = place_params(trained, inst, cfg)
+        for leaf, sharding in zip(jax.tree_util.tree_leaves(served), jax.tree_util.tree_leaves(shardings)):
+            assert leaf.sharding == sharding and {d.id for d in leaf.sharding.device_set} <= {4, 5, 6, 7}
+        got = host_copy(served)
+        assert all(got[k].tobytes() == want[k].tobytes() for k in want)

@@ -53,7 +53,25 @@ def test_odd_vocabulary_falls_back_to_replicated_head(cfg):
 
 def test_every_parameter_has_a_rule():
     with pytest.raises(KeyError, match="matches no sharding rule"):
-        rule_for("blocks/0/q_proj/bias")
+        rule_for("blocks/0/attn_out/bias")  # o_proj has no bias in either family
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_dream_biases_follow_their_projections_columns(cfg, tp):
+    """q/k/v biases split exactly where their kernels' columns split (replicated with GQA kv heads < TP)."""
+    dream = cfg.replace(qkv_bias=True)
+    params = nnx.split(init_model(dream, seed=0))[1]
+    table = sharding_table(params, dream, tp)
+    for layer in range(dream.n_layers):
+        for name in ("q_proj", "k_proj", "v_proj"):
+            kernel, bias = table[f"blocks/{layer}/{name}/kernel"], table[f"blocks/{layer}/{name}/bias"]
+            assert bias == (P("model") if kernel == C else REP)
+    assert table["blocks/0/q_proj/bias"] == (REP if tp == 1 else P("model"))
+    if tp == 2:
+        instance = Layout.build("1x2", jax.devices()[:2], config=dream).instances[0]
+        placed = place_params(params, instance, dream)
+        bias = placed["blocks"][0]["q_proj"]["bias"]
+        assert [s.data.shape for s in bias.addressable_shards] == [(dream.n_heads * dream.head_dim // 2,)] * 2
 
 
 def _check_sharded(params, tp, min_size):

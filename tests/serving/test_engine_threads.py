@@ -1,7 +1,7 @@
 import threading
 import time
 
-from conftest import make_engine, req
+from serving_support import make_engine, req
 from dilaserve_jax.serving.cluster import Cluster, InstanceInfo
 from dilaserve_jax.serving.engine import Engine, StepTimeline
 from dilaserve_jax.serving.fake_runner import FakeRunner

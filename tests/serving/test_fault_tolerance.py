@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import req
+from serving_support import req
 from dilaserve_jax.serving.cluster import Cluster, DuplicateRequest, InstanceInfo, NewWeights
 from dilaserve_jax.serving.engine import Engine, EngineState, EngineUnavailable
 from dilaserve_jax.serving.fake_runner import FakeRunner

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import req
+from serving_support import req
 from dilaserve_jax.serving.autoscale import Autoscaler
 from dilaserve_jax.serving.capacity import parse_layout, placements
 from dilaserve_jax.serving.cluster import Cluster, ClusterBusy, InstanceInfo

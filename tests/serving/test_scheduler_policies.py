@@ -1,6 +1,6 @@
 import pytest
 
-from conftest import make_engine, req
+from serving_support import make_engine, req
 from dilaserve_jax.serving.request import RequestState
 from dilaserve_jax.serving.types import StepKind
 
