@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-length", type=int, help="semi-autoregressive block length")
     p.add_argument("--tau-min", type=float, help="quality floor: lowest threshold the server may use")
     p.add_argument("--tau-max", type=float, help="threshold ceiling")
+    p.add_argument("--max-accuracy-drop", type=float, metavar="PTS",
+                   help="own bound on the predicted accuracy loss, points vs tau_max (the server budget otherwise)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--token", default=os.environ.get("DILASERVE_AUTH_TOKEN"),
@@ -41,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: a prompt is required (or --state)", file=sys.stderr)
         return 2
     kw = dict(max_new_tokens=args.max_new_tokens, block_length=args.block_length, slo_ms=args.slo_ms,
-              tau_min=args.tau_min, tau_max=args.tau_max, temperature=args.temperature, seed=args.seed)
+              tau_min=args.tau_min, tau_max=args.tau_max, temperature=args.temperature, seed=args.seed,
+              max_accuracy_drop=args.max_accuracy_drop)
     timeout = args.deadline_ms / 1000.0 if args.deadline_ms else None
     try:
         with DiLaServeClient(args.target, auth_token=args.token, tls_ca=args.tls_ca) as client:
@@ -70,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(final.text)
         print(f"[{final.instance}] {len(final.token_ids)} tokens, {describe_finish(final.finish_reason)}, "
-              f"{final.steps} steps, mean tau {final.mean_tau:.2f}, queue {final.queue_ms:.1f} ms, decode "
+              f"{final.steps} steps, mean tau {final.mean_tau:.2f}, predicted accuracy loss "
+              f"{final.predicted_accuracy_loss:.2f} points, queue {final.queue_ms:.1f} ms, decode "
               f"{final.decode_ms:.1f} ms, total {final.total_ms:.1f} ms, deadline "
               f"{'met' if final.deadline_met else 'missed'} ({final.deadline_ms:.0f} ms)"
               + (f", moved {final.moves}x" if final.moves else ""), file=sys.stderr)

@@ -53,7 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", help="step-latency profile JSON (from `python -m dilaserve_jax.bench.profile`); "
                                      "measured at start-up when omitted")
     p.add_argument("--prior", help="eval rows (`python -m dilaserve_jax.tasks.eval --json`) for the threshold "
-                                   "controller's tokens-per-step prior; default: eval*.json beside the weights")
+                                   "controller's tokens-per-step and accuracy priors; default: eval*.json beside "
+                                   "the weights")
+    p.add_argument("--max-accuracy-drop", type=_points, default=1.0, metavar="PTS",
+                   help="bound on the mean predicted accuracy drop, in points vs the accuracy at tau_max, over the "
+                        "requests each instance serves ('inf' = unbounded; default 1.0); a request may set its own")
+    p.add_argument("--budget-mode", default="adaptive", choices=("adaptive", "floor"),
+                   help="adaptive: spend the budget per request on first-step evidence, where it buys deadlines; "
+                        "floor: the lowest τ within budget for everyone (default adaptive)")
     p.add_argument("--controller", default="auto", choices=("auto", "paused", "manual"),
                    help="cluster controller: auto reshapes the layout and migrates requests as load changes; "
                         "paused starts it paused (Reconfigure allowed); manual runs none (default auto)")
@@ -91,6 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds between polls of --watch-checkpoints (default 10)")
     add_distributed_args(p)
     return p
+
+
+def _points(text: str) -> float | None:
+    if text.lower() in ("inf", "none", "unbounded"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected points >= 0 or 'inf', got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected points >= 0 or 'inf', got {text!r}")
+    return value
 
 
 def present_cpu_devices(mesh: str, processes: int, device_ids: tuple[int, ...] | None = None) -> int:
@@ -142,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                              layouts=tuple(x for x in args.layouts.split(",") if x.strip()),
                              controller_config=ControllerConfig(interval_s=args.controller_interval_s,
                                                                 min_dwell_s=args.min_dwell_s,
-                                                                bandwidth_gbps=args.interconnect_gbps))
+                                                                bandwidth_gbps=args.interconnect_gbps),
+                             max_accuracy_drop=args.max_accuracy_drop, budget_mode=args.budget_mode)
         options = ServerOptions(host=args.host, port=args.port,
                                 metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                                 auth_token=args.auth_token, admin_token=args.admin_token,

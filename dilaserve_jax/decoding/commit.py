@@ -8,6 +8,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# Bins of the per-step confidence histogram (uniform over [0, 1]); the threshold controller reads
+# a request's first-step histogram as evidence of how risky a lower τ is for it.
+CONFIDENCE_BINS = 20  # edges on every multiple of 0.05, so the τ grid's points fall on them
+
 
 def propose(logits, mask_id: int, temperature, keys):
     """Proposal and its confidence at every position: logits [B, N, V] -> (tokens [B, N], conf [B, N]).
@@ -62,3 +66,11 @@ def compact_commits(commit, positions, tokens):
     pos = jnp.where(taken, jnp.take_along_axis(positions, order, axis=-1), -1)
     tok = jnp.where(taken, jnp.take_along_axis(tokens, order, axis=-1), -1)
     return pos.astype(jnp.int32), tok.astype(jnp.int32), jnp.sum(commit, axis=-1).astype(jnp.int32)
+
+
+def confidence_histogram(masked, confidence, bins: int = CONFIDENCE_BINS):
+    """masked [B, N] bool, confidence [B, N] -> [B, bins] int32: masked positions per confidence bin
+    (bin i holds [i / bins, (i + 1) / bins); a confidence of exactly 1.0 falls in the last bin)."""
+    index = jnp.clip((confidence * bins).astype(jnp.int32), 0, bins - 1)
+    one_hot = masked[..., None] & (index[..., None] == jnp.arange(bins)[None, None, :])
+    return jnp.sum(one_hot, axis=1).astype(jnp.int32)

@@ -80,6 +80,7 @@ class SlotStep:
     max_confidence: float
     block_finished: bool
     request_finished: bool
+    confidence_counts: tuple[int, ...] = ()  # the block's masked positions per confidence bin, before commit
 
 
 @dataclass
@@ -302,7 +303,8 @@ class SlotDecoder:
             info.needs_refresh = block_done
             info.finished = finished
             results.append(SlotStep(slot, tuple(int(p) - info.prompt_len for p in pos), tuple(int(t) for t in tok),
-                                    n, float(out.max_confidence[row]), block_done, finished))
+                                    n, float(out.max_confidence[row]), block_done, finished,
+                                    tuple(int(c) for c in out.confidence_counts[row])))
         return results
 
     def _check_slot(self, slot: int) -> None:

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from dilaserve_jax.decoding.buckets import StepShape, StepType
-from dilaserve_jax.decoding.commit import compact_commits, propose, request_finished, select_commits
+from dilaserve_jax.decoding.commit import (compact_commits, confidence_histogram, propose, request_finished,
+                                           select_commits)
 from dilaserve_jax.decoding.shift import logit_rows, reuse_query_start
 from dilaserve_jax.decoding.state import DecodeState
 from dilaserve_jax.models.config import ModelConfig
@@ -33,6 +34,7 @@ class StepOutput(NamedTuple):
     max_confidence: jax.Array  # [B] float32 highest confidence among the block's masked positions
     block_finished: jax.Array  # [B] bool: the block has no mask left (block_start has advanced)
     request_finished: jax.Array  # [B] bool
+    confidence_counts: jax.Array  # [B, CONFIDENCE_BINS] int32 the block's masked positions per confidence bin
 
 
 def _take_rows(x, slots):
@@ -117,7 +119,8 @@ def decode_step(graphdef, params, state: DecodeState, slots, taus, *, shape: Ste
         block_start=state.block_start.at[slots].set(next_block, mode="drop"),
         tau=state.tau.at[slots].set(taus.astype(jnp.float32), mode="drop"),
         steps=state.steps.at[slots].add(1, mode="drop"))
-    return new_state, StepOutput(out_pos, out_tok, n_committed, max_conf, block_done, finished)
+    return new_state, StepOutput(out_pos, out_tok, n_committed, max_conf, block_done, finished,
+                                 confidence_histogram(masked, confidence))
 
 
 def admit_slot(state: DecodeState, slot, row, prompt_len, answer_len, block_start, block_len, temperature, seed,

@@ -25,7 +25,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "max_new_tokens", "block_length", "slo_ms", "tau_min", "tau_max", "temperature", "seed", "request_id")
+    __slots__ = ("text", "token_ids", "max_new_tokens", "block_length", "slo_ms", "tau_min", "tau_max", "temperature", "seed", "request_id", "max_accuracy_drop")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class GenerateRequest(_message.Message):
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_ACCURACY_DROP_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     max_new_tokens: int
@@ -46,10 +47,11 @@ class GenerateRequest(_message.Message):
     temperature: float
     seed: int
     request_id: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., block_length: _Optional[int] = ..., slo_ms: _Optional[float] = ..., tau_min: _Optional[float] = ..., tau_max: _Optional[float] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    max_accuracy_drop: float
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., block_length: _Optional[int] = ..., slo_ms: _Optional[float] = ..., tau_min: _Optional[float] = ..., tau_max: _Optional[float] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., request_id: _Optional[str] = ..., max_accuracy_drop: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "steps", "mean_tau", "queue_ms", "decode_ms", "total_ms", "deadline_met", "deadline_ms", "instance", "moves", "taus")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "steps", "mean_tau", "queue_ms", "decode_ms", "total_ms", "deadline_met", "deadline_ms", "instance", "moves", "taus", "predicted_accuracy_loss")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +66,7 @@ class GenerateResponse(_message.Message):
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     MOVES_FIELD_NUMBER: _ClassVar[int]
     TAUS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_ACCURACY_LOSS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -78,7 +81,8 @@ class GenerateResponse(_message.Message):
     instance: str
     moves: int
     taus: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., steps: _Optional[int] = ..., mean_tau: _Optional[float] = ..., queue_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., deadline_met: _Optional[bool] = ..., deadline_ms: _Optional[float] = ..., instance: _Optional[str] = ..., moves: _Optional[int] = ..., taus: _Optional[_Iterable[float]] = ...) -> None: ...
+    predicted_accuracy_loss: float
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., steps: _Optional[int] = ..., mean_tau: _Optional[float] = ..., queue_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., deadline_met: _Optional[bool] = ..., deadline_ms: _Optional[float] = ..., instance: _Optional[str] = ..., moves: _Optional[int] = ..., taus: _Optional[_Iterable[float]] = ..., predicted_accuracy_loss: _Optional[float] = ...) -> None: ...
 
 class StepUpdate(_message.Message):
     __slots__ = ("step", "canvas", "tokens_committed", "total_committed", "tau", "step_kind")
@@ -109,7 +113,7 @@ class ClusterStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InstanceState(_message.Message):
-    __slots__ = ("name", "tp_degree", "device_ids", "slots", "running", "waiting", "steps_done", "state", "error")
+    __slots__ = ("name", "tp_degree", "device_ids", "slots", "running", "waiting", "steps_done", "state", "error", "quality")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TP_DEGREE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +123,7 @@ class InstanceState(_message.Message):
     STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_FIELD_NUMBER: _ClassVar[int]
     name: str
     tp_degree: int
     device_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -128,7 +133,26 @@ class InstanceState(_message.Message):
     steps_done: int
     state: str
     error: str
-    def __init__(self, name: _Optional[str] = ..., tp_degree: _Optional[int] = ..., device_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps_done: _Optional[int] = ..., state: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    quality: QualityState
+    def __init__(self, name: _Optional[str] = ..., tp_degree: _Optional[int] = ..., device_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps_done: _Optional[int] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., quality: _Optional[_Union[QualityState, _Mapping]] = ...) -> None: ...
+
+class QualityState(_message.Message):
+    __slots__ = ("budget", "mode", "served", "predicted_loss_mean", "predicted_loss_spent", "allowance", "mean_tau")
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_LOSS_MEAN_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_LOSS_SPENT_FIELD_NUMBER: _ClassVar[int]
+    ALLOWANCE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_TAU_FIELD_NUMBER: _ClassVar[int]
+    budget: float
+    mode: str
+    served: int
+    predicted_loss_mean: float
+    predicted_loss_spent: float
+    allowance: float
+    mean_tau: float
+    def __init__(self, budget: _Optional[float] = ..., mode: _Optional[str] = ..., served: _Optional[int] = ..., predicted_loss_mean: _Optional[float] = ..., predicted_loss_spent: _Optional[float] = ..., allowance: _Optional[float] = ..., mean_tau: _Optional[float] = ...) -> None: ...
 
 class ClusterState(_message.Message):
     __slots__ = ("layout", "policy", "model", "instances", "serving", "family", "failures", "migrations", "reloads", "in_flight", "controller_mode", "decisions", "reconfigurations", "recent_migrations", "weight_updates", "checkpoint_watch")

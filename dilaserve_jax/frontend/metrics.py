@@ -27,6 +27,24 @@ class _ClusterCollector:
             queue.add_metric([inst["name"]], inst["waiting"])
             running.add_metric([inst["name"]], inst["running"])
             up.add_metric([inst["name"]], 1.0 if inst["state"] in ("running", "created") else 0.0)
+        budget = GaugeMetricFamily("dilaserve_accuracy_budget_points", "Max mean predicted accuracy drop (points "
+                                   "vs tau_max); absent when unbounded", labels=["instance"])
+        loss_mean = GaugeMetricFamily("dilaserve_predicted_loss_points_mean", "Mean predicted accuracy loss over "
+                                      "the requests served", labels=["instance"])
+        loss_spent = GaugeMetricFamily("dilaserve_predicted_loss_points_spent", "Total predicted accuracy loss, "
+                                       "served and running requests", labels=["instance"])
+        mean_tau = GaugeMetricFamily("dilaserve_mean_tau", "Mean threshold over every step run", labels=["instance"])
+        for inst in state["instances"]:
+            q = inst.get("quality")
+            if q is None:
+                continue
+            if q["budget"] is not None:
+                budget.add_metric([inst["name"]], q["budget"])
+            loss_mean.add_metric([inst["name"]], q["predicted_loss_mean"])
+            loss_spent.add_metric([inst["name"]], q["predicted_loss_spent"])
+            if q["mean_tau"] is not None:
+                mean_tau.add_metric([inst["name"]], q["mean_tau"])
+        yield from (budget, loss_mean, loss_spent, mean_tau)
         layout = InfoMetricFamily("dilaserve_layout", "Current device layout and policy")
         layout.add_metric([], {"layout": state["layout"], "policy": state["policy"], "model": state["model"]})
         per_tp = GaugeMetricFamily("dilaserve_layout_instances", "Instances of the current layout by TP degree",

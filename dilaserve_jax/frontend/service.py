@@ -128,7 +128,8 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
     # --- internals ---
     def _cluster_state(self) -> pb.ClusterState:
         state = self.cluster.state()
-        instances = [pb.InstanceState(**{**inst, "error": bounded(inst["error"], 512)}) for inst in state["instances"]]
+        instances = [pb.InstanceState(**{**inst, "error": bounded(inst["error"], 512),
+                                         "quality": _quality(inst["quality"])}) for inst in state["instances"]]
         return pb.ClusterState(
             layout=state["layout"], policy=state["policy"], model=state["model"], family=state["family"],
             serving=not self.draining and any(i.state in ("running", "created") for i in instances),
@@ -155,7 +156,8 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
         slo_s = remaining if remaining is not None else (spec.slo_s or self.cluster.limits.default_slo_ms / 1000.0)
         now = self.cluster.clock()
         req = Request(spec.request_id, spec.prompt_tokens, spec.answer_length, spec.block_length, now, now + slo_s,
-                      tau_min=spec.tau_min, tau_max=spec.tau_max, temperature=spec.temperature, seed=spec.seed)
+                      tau_min=spec.tau_min, tau_max=spec.tau_max, temperature=spec.temperature, seed=spec.seed,
+                      max_accuracy_drop=spec.max_accuracy_drop)
 
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
@@ -236,7 +238,8 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
             queue_ms=(start - result.arrival) * 1e3, decode_ms=(result.finish - start) * 1e3,
             total_ms=(result.finish - result.arrival) * 1e3, deadline_met=result.deadline_met,
             deadline_ms=(req.deadline - req.arrival) * 1e3,
-            instance=result.instance, moves=result.moves, taus=result.taus)
+            instance=result.instance, moves=result.moves, taus=result.taus,
+            predicted_accuracy_loss=result.predicted_loss)
 
     def _count(self, outcome: str, deadline_met: bool | None = None) -> None:
         if self.metrics is not None:
@@ -296,3 +299,10 @@ def _apply(answer: list[int], progress, step: int, total: int) -> tuple[int, int
         if 0 <= pos < len(answer):
             answer[pos] = tok
     return step + 1, progress.committed
+
+
+def _quality(q: dict | None) -> pb.QualityState | None:
+    """An instance's budget accounting (unbounded budget / allowance: fields left unset)."""
+    if q is None:
+        return None
+    return pb.QualityState(**{k: v for k, v in q.items() if v is not None})

@@ -33,6 +33,7 @@ class GenerateSpec:
     tau_max: float
     temperature: float
     seed: int
+    max_accuracy_drop: float | None = None  # the request's own loss bound (points); None = the server's
 
 
 def _tau(value: float, field: str) -> float:
@@ -99,5 +100,10 @@ def validate(req: pb.GenerateRequest, tokenizer, limits: Limits) -> GenerateSpec
     if len(req.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest("request_id", f"longer than {MAX_REQUEST_ID_CHARS} characters")
     request_id = req.request_id or uuid.uuid4().hex
+    drop = None
+    if req.HasField("max_accuracy_drop"):
+        if not math.isfinite(req.max_accuracy_drop) or req.max_accuracy_drop < 0:
+            raise InvalidRequest("max_accuracy_drop", f"must be a finite number of points >= 0, got {req.max_accuracy_drop}")
+        drop = float(req.max_accuracy_drop)
     return GenerateSpec(request_id, prompt, max_new, answer, block, slo_s, tau_min, tau_max,
-                        float(req.temperature), int(req.seed))
+                        float(req.temperature), int(req.seed), drop)

@@ -26,8 +26,10 @@ from dilaserve_jax.serving.controller import ClusterController, ControllerConfig
 from dilaserve_jax.serving.instances import JaxInstanceBuilder, instance_info, instance_name
 from dilaserve_jax.serving.latency import LatencyModel, Profile
 from dilaserve_jax.serving.limits import Limits
+from dilaserve_jax.serving.quality import BUDGET_MODES
 from dilaserve_jax.serving.scheduler import POLICIES
-from dilaserve_jax.serving.threshold import ThresholdConfig, eval_rows_beside, prior_from_eval_json
+from dilaserve_jax.serving.threshold import (ThresholdConfig, accuracy_from_eval_json, eval_rows_beside,
+                                             prior_from_eval_json, read_eval_rows)
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,9 @@ class ServeConfig:
     layouts: tuple[str, ...] = ()  # layouts the controller may choose; default: every partition
     controller_config: ControllerConfig = field(default_factory=ControllerConfig)
     profile: str | None = None  # latency profile JSON; default: measured on the instances at start-up
-    prior: str | None = None  # eval --json rows for the τ -> tokens/step prior; default: eval*.json beside the weights
+    prior: str | None = None  # eval --json rows for the τ priors (speed, accuracy); default: eval*.json beside the weights
+    max_accuracy_drop: float | None = 1.0  # mean predicted accuracy loss bound, points vs τ_max; None: unbounded
+    budget_mode: str = "adaptive"  # "adaptive" (evidence, pooled budget) or "floor" (fixed floor)
     allow_unused_devices: bool = False
     devices: tuple[int, ...] | None = None  # device ids to serve on (a share of the visible ones); None = all
     kv_memory_gb: float | None = None  # per-device budget (GiB) for decode slots; sizes slots, at most `slots`
@@ -87,6 +91,10 @@ class ServeConfig:
                 raise ValueError(f"devices must be distinct ids, got {self.devices}")
         if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
             raise ValueError(f"the KV memory budget must be positive, got {self.kv_memory_gb}")
+        if self.max_accuracy_drop is not None and not 0 <= self.max_accuracy_drop < float("inf"):
+            raise ValueError(f"max accuracy drop must be a finite number of points >= 0, got {self.max_accuracy_drop}")
+        if self.budget_mode not in BUDGET_MODES:
+            raise ValueError(f"budget mode must be one of {BUDGET_MODES}, got {self.budget_mode!r}")
 
 
 @dataclass
@@ -233,14 +241,20 @@ def _param_bytes(c) -> int:
 
 
 def _threshold_config(cfg: ServeConfig, source: str, say) -> ThresholdConfig:
-    """The τ -> tokens/step prior measured by the eval command, when there is one; else the default."""
+    """The τ -> tokens/step and τ -> accuracy priors measured by the eval command, with the accuracy-loss
+    budget, when there are eval rows; else the built-in speed prior and no budget (it cannot be priced)."""
     path = cfg.prior or eval_rows_beside(source)
     if path is None:
-        say("threshold prior: built-in default (no eval rows beside the weights; pass --prior eval.json)")
+        say("threshold prior: built-in default (no eval rows beside the weights; pass --prior eval.json); "
+            "accuracy budget NOT enforced: no accuracy model")
         return ThresholdConfig()
-    prior = prior_from_eval_json(path)
-    say(f"threshold prior from {path}: " + ", ".join(f"τ={t:g} {v:.2f} tok/step" for t, v in prior.items()))
-    return ThresholdConfig.with_prior(prior)
+    rows = read_eval_rows(path)  # refuses rows without accuracy
+    prior, acc = prior_from_eval_json(rows), accuracy_from_eval_json(rows)
+    say(f"threshold priors from {path}: " + ", ".join(f"τ={t:g} {v:.2f} tok/step {100 * acc[t]:.1f}%"
+                                                     for t, v in prior.items()))
+    budget = "unbounded" if cfg.max_accuracy_drop is None else f"{cfg.max_accuracy_drop:g} points"
+    say(f"accuracy budget: {budget} mean predicted drop vs τ_max ({cfg.budget_mode})")
+    return ThresholdConfig.from_eval(rows, max_accuracy_drop=cfg.max_accuracy_drop, budget_mode=cfg.budget_mode)
 
 
 def _provisional_latency() -> LatencyModel:

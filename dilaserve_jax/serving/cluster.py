@@ -401,7 +401,8 @@ class Cluster:
             instances.append({"name": info.name, "tp_degree": info.tp_degree, "device_ids": list(info.device_ids),
                               "slots": snap.load.num_slots, "running": len(snap.load.running_left),
                               "waiting": len(snap.load.waiting_left) + len(snap.pending), "steps_done": snap.steps,
-                              "state": snap.state.name.lower(), "error": snap.error or ""})
+                              "state": snap.state.name.lower(), "error": snap.error or "",
+                              "quality": snap.load.quality.as_dict() if snap.load.quality else None})
         scaler = self.autoscaler
         ctl = getattr(scaler, "controller", None)
         return {"layout": self.layout, "policy": self.policy, "model": self.model_source, "family": self.family,

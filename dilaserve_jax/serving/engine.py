@@ -84,12 +84,13 @@ class RequestResult:
     instance: str = ""  # the instance that finished it
     moves: int = 0
     taus: tuple[float, ...] = ()  # τ of every step, in order
+    predicted_loss: float = 0.0  # accuracy points its τ trajectory is predicted to have cost
 
     @classmethod
     def of(cls, r: Request, instance: str = "") -> "RequestResult":
         return cls(r.id, r.state, tuple(r.output_tokens or ()), bool(r.deadline_met), r.arrival, r.start_time,
                    r.finish_time, len(r.steps), r.mean_tau(), r.reject_reason, instance, r.moves,
-                   tuple(s.tau for s in r.steps))
+                   tuple(s.tau for s in r.steps), r.predicted_loss)
 
 
 ProgressFn = Callable[[StepProgress], None]

@@ -4,7 +4,8 @@ Tokens committed per step depend on τ and a per-request difficulty (lower τ �
 → fewer), through a deterministic accumulator so runs are reproducible. Each step advances a
 `FakeClock` by a step time that, like the real steps, makes a refresh several times a reuse and
 grows with batch and canvas length; or, with `real_sleep`, really sleeps that long (to measure
-thread overlap).
+thread overlap). `confidence(prompt)` gives the confidence histogram every step reports for the
+slot (the threshold controller's risk evidence); by default none is reported.
 """
 from __future__ import annotations
 
@@ -100,12 +101,14 @@ class FakeRunner:
     def __init__(self, num_slots: int, clock: FakeClock | None = None, tp_degree: int = 1,
                  step_time: StepTimeFn = default_step_time,
                  difficulty: Callable[[Sequence[int]], float] = lambda prompt: 1.0,
-                 real_sleep: bool = False) -> None:
+                 real_sleep: bool = False,
+                 confidence: Callable[[Sequence[int]], Sequence[int]] | None = None) -> None:
         if num_slots < 1:
             raise ValueError("num_slots must be >= 1")
         self.num_slots, self.tp_degree = num_slots, tp_degree
         self.clock = clock if clock is not None else FakeClock()
         self.step_time, self.difficulty, self.real_sleep = step_time, difficulty, real_sleep
+        self.confidence = confidence
         self.slots: dict[int, _Slot] = {}
         self.steps_run: list[tuple[StepKind, tuple[int, ...], tuple[float, ...]]] = []
         self.weights = 0  # "weights": token values depend on it, so a reload changes answers
@@ -167,8 +170,9 @@ class FakeRunner:
         st.committed += n
         block_finished = st.committed == block_end
         st.needs_refresh = block_finished
+        counts = tuple(self.confidence(st.prompt)) if self.confidence is not None else ()
         return SlotOutcome(slot, positions, tokens, n, min(1.0, tau + 0.05), block_finished,
-                           st.committed >= st.answer_length)
+                           st.committed >= st.answer_length, counts)
 
     def answer(self, slot: int) -> list[int]:
         st = self.slots[slot]

@@ -76,6 +76,7 @@ class Request:
     tau_max: float = 1.0
     temperature: float = 0.0  # 0: greedy proposals
     seed: int = 0  # sampling seed when temperature > 0
+    max_accuracy_drop: float | None = None  # own bound on its predicted loss (points); None: the server's budget
     # --- mutable run-time record ---
     state: RequestState = RequestState.WAITING
     slot: int | None = None
@@ -92,6 +93,8 @@ class Request:
     steps: list[StepRecord] = field(default_factory=list)
     answer: list[int | None] = field(default_factory=list)  # committed answer tokens by position
     moves: int = 0  # times it changed instance (migration, failure, reconfiguration)
+    evidence: tuple[int, ...] = ()  # first step's masked positions per confidence bin (risk evidence)
+    predicted_loss: float = 0.0  # accuracy points its τ trajectory is predicted to have cost
 
     def __post_init__(self) -> None:
         self.prompt_tokens = tuple(map(int, self.prompt_tokens))
@@ -109,6 +112,8 @@ class Request:
             raise ValueError("deadline precedes arrival")
         if not self.answer:
             self.answer = [None] * self.answer_length
+        if self.max_accuracy_drop is not None and not (0 <= self.max_accuracy_drop < math.inf):
+            raise ValueError(f"max_accuracy_drop must be a finite number of points >= 0, got {self.max_accuracy_drop}")
 
     # --- state machine ---
     def transition(self, new: RequestState, now: float) -> None:
@@ -207,6 +212,7 @@ class Request:
             "id": self.id, "state": self.state.name, "arrival": self.arrival, "deadline": self.deadline,
             "start": self.start_time, "finish": self.finish_time, "deadline_met": self.deadline_met,
             "steps": len(self.steps), "mean_tau": self.mean_tau(), "reject_reason": self.reject_reason,
+            "taus": [s.tau for s in self.steps], "predicted_loss": self.predicted_loss,
         }
 
 

@@ -59,7 +59,7 @@ class JaxRunner:
     def step(self, kind: StepKind, slots: Sequence[int], taus: Sequence[float]) -> list[SlotOutcome]:
         results = self.decoder.step(StepKind(kind) == StepKind.REFRESH, slots, taus)
         return [SlotOutcome(r.slot, r.positions, r.tokens, r.n_committed, r.max_confidence, r.block_finished,
-                            r.request_finished) for r in results]
+                            r.request_finished, r.confidence_counts) for r in results]
 
     def answer(self, slot: int) -> list[int]:
         return self.decoder.answer(slot)

@@ -9,7 +9,8 @@ Policies (same interface):
   fcfs-static  arrival order, admit whenever a slot is free, batch every ready request of the kind
                the oldest request needs, fixed τ (0.9): how DLMs are served today.
   edf-static   the same in deadline order.
-  dilaserve    least slack first; τ per request per step and load control from `threshold.py`;
+  dilaserve    least slack first; τ per request per step and load control from `threshold.py`
+               (within the accuracy-loss budget when the threshold config carries one);
                a batch (and the set of running requests) grows only while every request in it
                still meets its deadline at the larger step time; at-risk requests run only on
                spare capacity; hopeless requests are rejected at admission.
@@ -22,6 +23,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from dilaserve_jax.serving.latency import LatencyModel
+from dilaserve_jax.serving.quality import QualitySnapshot
 from dilaserve_jax.serving.request import Request, RequestState, steps_left
 from dilaserve_jax.serving.threshold import Decision, ThresholdConfig, ThresholdController
 from dilaserve_jax.serving.types import Admission, SlotOutcome, StepKind, StepPlan
@@ -137,6 +139,7 @@ class LoadSnapshot:
     estimator: RequestEstimator | None = None
     deadlines: tuple[float, ...] = ()  # of every request here, running and queued
     at_risk: tuple[RequestView, ...] = ()  # requests that cannot meet their deadline here even at τ_min
+    quality: QualitySnapshot | None = None  # accuracy-loss budget accounting
 
 
 class Scheduler:
@@ -340,7 +343,8 @@ class Scheduler:
             if req is None or req.id != rid:
                 raise ValueError(f"outcome for slot {o.slot} does not match plan request {rid}")
             req.record_step(plan.kind, tau, o.n_committed, o.block_finished, now, duration, o.positions, o.tokens)
-            self.controller.observe(req, tau, o.n_committed, o.block_finished or o.request_finished)
+            self.controller.observe(req, tau, o.n_committed, o.block_finished or o.request_finished,
+                                    confidence_counts=o.confidence_counts, max_confidence=o.max_confidence)
             if o.request_finished:
                 self._finish(req, RequestState.FINISHED_OK, now)
                 done.append(req)
@@ -365,7 +369,7 @@ class Scheduler:
         req.transition(state, now)
         self.requests.pop(req.id, None)
         self.decisions.pop(req.id, None)
-        self.controller.forget(req.id)
+        self.controller.forget(req.id, req.predicted_loss if state == RequestState.FINISHED_OK else None)
         self._finished.append(req)
 
     def _free_slot(self, slot: int) -> None:
@@ -384,6 +388,10 @@ class Scheduler:
     def idle(self) -> bool:
         return not (self.running or self.waiting or self._aborts or self._releases)
 
+    def quality(self) -> QualitySnapshot | None:
+        """Budget, predicted loss spent and mean τ (None without an accuracy model)."""
+        return self.controller.quality_snapshot()
+
     def request_time(self, req: Request, batch: int, tau: float | None = None) -> float:
         return self.controller.remaining_time(req, req.tau_max if tau is None else tau, batch, self.step_time)
 
@@ -396,7 +404,7 @@ class Scheduler:
         reqs = [*self.running.values(), *self.waiting]
         return LoadSnapshot(now, self.cfg.num_slots, self.cfg.tp, tuple(left(r) for r in self.running.values()),
                             tuple(left(r) for r in self.waiting), self.estimator(), tuple(r.deadline for r in reqs),
-                            tuple(RequestView.of(r) for r in reqs if r.at_risk))
+                            tuple(RequestView.of(r) for r in reqs if r.at_risk), self.quality())
 
     def estimator(self) -> RequestEstimator:
         taus = tuple(sorted(set(self.controller.cfg.grid)))

@@ -15,6 +15,11 @@ frees). If some cannot meet their deadlines, a system-wide cap on τ is lowered 
 request's τ_min) to the highest cap that makes as many as possible feasible — thresholds drop
 *before* requests miss. A request infeasible even at τ_min is marked at risk: it does not hold a
 place in the slot model and the scheduler runs it only on spare capacity.
+
+Quality budget (`ThresholdConfig.quality`, see `quality.py`): the plan above gives each request the
+τ its deadline (and the queue) needs; where that τ is predicted to cost accuracy, the budget grants
+it (cheapest first, within the allowance) or holds the request at its lowest free τ, and the plan is
+made again with those floors. Every step's commits are charged to the request's predicted loss.
 """
 from __future__ import annotations
 
@@ -25,16 +30,54 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
+from dilaserve_jax.serving.quality import QualityBudget, QualityConfig, QualitySnapshot
 from dilaserve_jax.serving.request import Request
 from dilaserve_jax.serving.types import StepKind
 
-TAU_GRID: tuple[float, ...] = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
+TAU_GRID: tuple[float, ...] = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5, 0.4, 0.3)
 # Tokens committed per step at each τ for a 32-token block (τ = 1.0 commits only the argmax, since
 # the commit rule is strict conf > τ). A placeholder until replaced by the measured prior.
 DEFAULT_PRIOR: Mapping[float, float] = {1.0: 1.0, 0.95: 1.6, 0.9: 2.0, 0.8: 2.6, 0.7: 3.2, 0.6: 3.9,
                                         0.5: 4.7, 0.4: 5.6, 0.3: 6.8}
 
 StepTime = Callable[[StepKind, int, Request], float]  # (kind, batch, request) -> seconds
+
+
+EVAL_ROW_KEYS = ("task", "threshold", "accuracy", "tokens_per_step", "steps", "n")
+
+
+def read_eval_rows(path_or_rows: str | Path | Iterable[Mapping], tasks: Sequence[str] | None = None
+                   ) -> list[dict]:
+    """The per-task rows of `python -m dilaserve_jax.tasks.eval --json`, checked.
+
+    Every row must carry task, threshold, accuracy, tokens_per_step, steps and n (files written
+    before the accuracy model existed, or hand-made speed-only priors, are refused: the threshold
+    controller needs accuracy beside speed). A file with only summary rows yields its `mean:all`
+    rows. `tasks` keeps only those tasks.
+    """
+    source = path_or_rows if isinstance(path_or_rows, (str, Path)) else "eval rows"
+    rows = path_or_rows
+    if isinstance(rows, (str, Path)):
+        rows = json.loads(Path(rows).read_text())
+    if not isinstance(rows, list):
+        raise ValueError(f"{source}: expected a JSON list of eval rows")
+    rows = [dict(r) for r in rows]
+    for i, r in enumerate(rows):
+        missing = [k for k in EVAL_ROW_KEYS if k not in r]
+        if missing:
+            raise ValueError(f"{source}: row {i} has no {', '.join(missing)} (rows of `python -m "
+                             f"dilaserve_jax.tasks.eval --json` carry {', '.join(EVAL_ROW_KEYS)}; the threshold "
+                             f"controller needs accuracy as well as tokens per step)")
+    per_task = [r for r in rows if r.get("kind") != "summary" and (tasks is None or r["task"] in tasks)]
+    if not per_task and tasks is None:
+        per_task = [r for r in rows if r.get("task") == "mean:all"]
+    per_task = [r for r in per_task if 0.0 < float(r["threshold"]) <= 1.0 and float(r["n"]) > 0]
+    if not per_task:
+        raise ValueError(f"{source}: no usable eval rows (need per-task rows with a threshold in (0, 1] and n > 0)")
+    for r in per_task:
+        if not 0.0 <= float(r["accuracy"]) <= 1.0:
+            raise ValueError(f"{source}: accuracy of {r['task']} at τ={r['threshold']} is not in [0, 1]")
+    return per_task
 
 
 def prior_from_eval_json(path_or_rows: str | Path | Iterable[Mapping], tasks: Sequence[str] | None = None
@@ -45,26 +88,36 @@ def prior_from_eval_json(path_or_rows: str | Path | Iterable[Mapping], tasks: Se
     as it does in serving); a file with only summary rows uses its `mean:all` rows. `tasks` keeps
     only those tasks. Values are clamped to >= 1 (the argmax always commits).
     """
-    rows = path_or_rows
-    if isinstance(rows, (str, Path)):
-        rows = json.loads(Path(rows).read_text())
-    rows = [dict(r) for r in rows]
-    per_task = [r for r in rows if r.get("kind") != "summary" and (tasks is None or r["task"] in tasks)]
-    if not per_task and tasks is None:
-        per_task = [{**r, "steps": 1.0, "n": 1} for r in rows if r.get("task") == "mean:all"]
-    if not per_task:
-        raise ValueError("no usable eval rows (need task, threshold, tokens_per_step, steps, n)")
+    rows = read_eval_rows(path_or_rows, tasks)
+    summary_only = all(r.get("kind") == "summary" for r in rows)
     tokens: dict[float, float] = {}
     steps: dict[float, float] = {}
-    for r in per_task:
-        tau, w = float(r["threshold"]), float(r["steps"]) * float(r.get("n", 1))
-        if not 0.0 < tau <= 1.0 or w <= 0:
+    for r in rows:
+        tau = float(r["threshold"])
+        w = float(r["n"]) if summary_only else float(r["steps"]) * float(r["n"])
+        if w <= 0:
             continue
         tokens[tau] = tokens.get(tau, 0.0) + float(r["tokens_per_step"]) * w
         steps[tau] = steps.get(tau, 0.0) + w
     if not steps:
         raise ValueError("eval rows hold no threshold with steps > 0")
     return {tau: max(1.0, tokens[tau] / steps[tau]) for tau in sorted(steps, reverse=True)}
+
+
+def accuracy_from_eval_json(path_or_rows: str | Path | Iterable[Mapping], tasks: Sequence[str] | None = None
+                            ) -> dict[float, float]:
+    """τ -> expected accuracy (valid-answer rate in [0, 1]) from the same rows as the speed prior.
+
+    Pooled over the same rows: correct answers / problems (each problem counts once, as each
+    request does in serving), so tasks weigh by how many problems were measured.
+    """
+    correct: dict[float, float] = {}
+    total: dict[float, float] = {}
+    for r in read_eval_rows(path_or_rows, tasks):
+        tau, n = float(r["threshold"]), float(r["n"])
+        correct[tau] = correct.get(tau, 0.0) + float(r["accuracy"]) * n
+        total[tau] = total.get(tau, 0.0) + n
+    return {tau: correct[tau] / total[tau] for tau in sorted(total, reverse=True)}
 
 
 def eval_rows_beside(model_source: str) -> Path | None:
@@ -83,6 +136,7 @@ class ThresholdConfig:
     # share of the others' refresh steps that run in the same batch as one's own (requests admitted
     # together stay in phase, since every request needing a refresh joins the refresh batch)
     refresh_alignment: float = 0.5
+    quality: QualityConfig | None = None  # accuracy model and loss budget; None: τ anywhere in [τ_min, τ_max]
 
     def __post_init__(self) -> None:
         if not self.grid or any(not 0 < t <= 1 for t in self.grid):
@@ -99,6 +153,14 @@ class ThresholdConfig:
     @classmethod
     def with_prior(cls, prior: Mapping[float, float], **kw) -> "ThresholdConfig":
         return cls(prior=tuple(sorted(((float(t), float(v)) for t, v in prior.items()), reverse=True)), **kw)
+
+    @classmethod
+    def from_eval(cls, path_or_rows, max_accuracy_drop: float | None = 1.0, budget_mode: str = "adaptive",
+                  **kw) -> "ThresholdConfig":
+        """Speed prior and accuracy model from the same eval rows, with a loss budget in points."""
+        rows = read_eval_rows(path_or_rows)
+        quality = QualityConfig.from_eval(rows, max_accuracy_drop=max_accuracy_drop, mode=budget_mode)
+        return cls.with_prior(prior_from_eval_json(rows), quality=quality, **kw)
 
 
 class TokensPerStep:
@@ -170,14 +232,25 @@ class ThresholdController:
     ratios: dict[str, float] = field(default_factory=dict)  # per-request speed vs the average
     cap: float = 1.0  # current load-control cap (for reporting)
     mean_refresh_fraction: float = 0.0  # share of remaining steps that are refreshes, active requests
+    budget: QualityBudget | None = None  # from cfg.quality
     _last_tau: dict[str, float] = field(default_factory=dict)
+    _floors: dict[str, float] = field(default_factory=dict)  # lowest τ the budget allows, this round
+    _durations: dict[tuple[str, float], float] = field(default_factory=dict)  # this round's remaining times
 
     def __post_init__(self) -> None:
         if self.tps is None:
             self.tps = TokensPerStep(self.cfg)
+        if self.budget is None and self.cfg.quality is not None:
+            self.budget = QualityBudget(self.cfg.quality)
 
     # --- online estimates ---
-    def observe(self, req: Request, tau: float, n_committed: int, block_finished: bool) -> None:
+    def observe(self, req: Request, tau: float, n_committed: int, block_finished: bool, *,
+                confidence_counts: Sequence[int] = (), max_confidence: float | None = None) -> None:
+        """One step's result (after `req.record_step`): rates; the quality charge (from the step's
+        confidence histogram and highest confidence) and the request's first-step evidence."""
+        if self.budget is not None:
+            self.budget.charge(req, tau, confidence_counts, max_confidence)  # at the weights τ was chosen with
+            self.budget.set_evidence(req, confidence_counts)
         if block_finished:  # commits capped by the block end say nothing about the rate
             return
         expected = self.tps.rate(tau)
@@ -186,13 +259,26 @@ class ThresholdController:
         self.ratios[req.id] = min(4.0, max(0.25, r))
         self.tps.observe(tau, n_committed)
 
-    def forget(self, req_id: str) -> None:
+    def forget(self, req_id: str, served_loss: float | None = None) -> None:
+        """The request left; `served_loss`: it finished ok with this predicted loss (counts in the mean)."""
         self.ratios.pop(req_id, None)
         self._last_tau.pop(req_id, None)
+        self._floors.pop(req_id, None)
+        if self.budget is not None:
+            self.budget.forget(req_id, served_loss, served=served_loss is not None)
+
+    def quality_snapshot(self) -> QualitySnapshot | None:
+        return None if self.budget is None else self.budget.snapshot()
 
     def candidates(self, req: Request) -> list[float]:
         taus = {t for t in self.cfg.grid if req.tau_min <= t <= req.tau_max} | {req.tau_min, req.tau_max}
         return sorted(taus, reverse=True)
+
+    def _allowed(self, req: Request) -> list[float]:
+        """Candidates at or above this round's budget floor (τ_min stays the hard floor)."""
+        floor = self._floors.get(req.id)
+        cands = self.candidates(req)
+        return cands if floor is None else [t for t in cands if t >= floor - 1e-12] or cands[:1]
 
     def steps_needed(self, req: Request, tau: float) -> tuple[int, int]:
         """(refresh steps, reuse steps) to finish at τ."""
@@ -254,7 +340,18 @@ class ThresholdController:
                 members.append(req)
             else:
                 risky.add(req.id)
+        self._floors, self._durations = {}, {}
         cap, best = self._solve(active, fracs, risky, now, num_slots, free, step_time)
+        if self.budget is not None:
+            reqs = [r for r, _ in active]
+            for r in reqs:
+                self.budget.join(r)
+            floors = self.budget.grant(reqs, {rid: d.tau for rid, d in best.items()},
+                                       {rid: d.at_risk or rid in risky for rid, d in best.items()},
+                                       {r.id: self.candidates(r) for r in reqs})
+            if any(best[rid].tau < f - 1e-12 for rid, f in floors.items()):
+                self._floors = floors
+                cap, best = self._solve(active, fracs, risky, now, num_slots, free, step_time)
         best = {rid: (Decision(d.tau, True, d.predicted_finish, d.predicted_start) if rid in risky else d)
                 for rid, d in best.items()}
         self.cap = cap
@@ -262,6 +359,13 @@ class ThresholdController:
         for req, _ in active:
             req.at_risk = best[req.id].at_risk
         return best
+
+    def _duration(self, req: Request, tau: float, batch: int, step_time: StepTime, others: float) -> float:
+        key = (req.id, tau)  # batch and others are fixed within one plan
+        d = self._durations.get(key)
+        if d is None:
+            d = self._durations[key] = self.remaining_time(req, tau, batch, step_time, others)
+        return d
 
     def _solve(self, active, fracs, excluded: set[str], now: float, num_slots: int, free: int,
                step_time: StepTime) -> tuple[float, dict[str, Decision]]:
@@ -273,8 +377,8 @@ class ThresholdController:
         for req, is_running in active:
             own = 0.0 if req.id in excluded else fracs[req.id]
             others = (total - own) * per_slot  # only `batch` of them run concurrently
-            taus = self.candidates(req)
-            durs = [self.remaining_time(req, t, batch, step_time, others) for t in taus]
+            taus = self._allowed(req)
+            durs = [self._duration(req, t, batch, step_time, others) for t in taus]
             cands.append(_Cand(req, taus, durs, is_running))
         cands.sort(key=lambda c: (not c.running, c.req.id in excluded, c.req.deadline, c.req.arrival))
         caps = sorted({t for t in self.cfg.grid} | {1.0}, reverse=True)

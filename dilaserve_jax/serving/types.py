@@ -21,7 +21,10 @@ class StepKind(IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class SlotOutcome:
-    """What one step did to one slot: the positions (answer-relative) committed, their tokens."""
+    """What one step did to one slot: the positions (answer-relative) committed, their tokens.
+
+    confidence_counts: the block's masked positions (before this step's commits) per confidence bin,
+    bins uniform over [0, 1]; empty when the runner does not report it."""
 
     slot: int
     positions: tuple[int, ...]
@@ -30,6 +33,7 @@ class SlotOutcome:
     max_confidence: float
     block_finished: bool
     request_finished: bool
+    confidence_counts: tuple[int, ...] = ()
 
 
 @runtime_checkable

@@ -2,7 +2,12 @@
 
 For every task and threshold it decodes the same held-out problems and reports the valid-answer
 rate, the mean number of tokens committed per denoising step (all steps pooled) and the mean
-number of steps per request.
+number of steps per request. Each task's rows also carry its answer area and its first-step
+confidence signature: how the confidences of the first block's masked positions are distributed
+at a request's first step (pooled over its problems; the same for every threshold, since nothing
+is committed before that step). The threshold controller reads the rows as its τ → tokens/step
+and τ → accuracy priors, and the signatures as the risk profiles a request's own first step is
+compared with.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ def prompt_hash(token_ids) -> str:
     return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
 
 
-DEFAULT_THRESHOLDS = (1.0, 0.9, 0.7, 0.5, 0.3)
+DEFAULT_THRESHOLDS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5, 0.3)
 DECODERS = ("reference", "fast")
 CACHE_MODES = ("none", "prefix", "dual")
 
@@ -75,21 +80,44 @@ def _reference_decoder(model, block_length: int, cache_mode: str):
     return run
 
 
-def _fast_decoder(model, block_length: int, cache_mode: str, num_slots: int = 16):
-    """Batched decoding on a SlotDecoder (KV-cached unless cache_mode is 'none')."""
+def _slot_decoder(model, block_length: int, cache_mode: str, num_slots: int = 16):
+    """A SlotDecoder for the suite's prompts that compiles only the shapes a run uses."""
     try:
         from dilaserve_jax.decoding.buckets import CacheMode
         from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
-        from dilaserve_jax.decoding.offline import DecodeRequest, generate_many
     except ImportError as err:
         raise ValueError(f"the fast decoding path is not available ({err}); use --decoder reference") from None
     from dilaserve_jax.tasks.suite import TASKS
 
     longest = max(t.max_prompt + t.gen_length for t in TASKS.values())
     lengths = tuple(sorted({min(64, model.config.max_len), min(-(-longest // 64) * 64, model.config.max_len)}))
-    decoder = SlotDecoder(model.config, model.graphdef, model.params,
-                          DecoderConfig(num_slots, lengths, (block_length,), CacheMode(cache_mode)),
-                          warm_up=False, progress=False)  # compile only the shapes this run uses
+    return SlotDecoder(model.config, model.graphdef, model.params,
+                       DecoderConfig(num_slots, lengths, (block_length,), CacheMode(cache_mode)),
+                       warm_up=False, progress=False)
+
+
+def first_step_confidence(decoder, prompts, gen_length: int, block_length: int) -> list[float]:
+    """Share of the first block's masked positions per confidence bin at a request's first step,
+    pooled over the prompts (one refresh step each, batched over the decoder's slots)."""
+    totals: list[int] = []
+    for lo in range(0, len(prompts), decoder.num_slots):
+        batch = prompts[lo:lo + decoder.num_slots]
+        slots = list(range(len(batch)))
+        for slot, p in zip(slots, batch):
+            decoder.admit(slot, p, gen_length, block_length)
+        for out in decoder.step(True, slots, [1.0] * len(slots)):
+            totals = [a + b for a, b in zip(totals, out.confidence_counts)] if totals else list(out.confidence_counts)
+        for slot in slots:
+            decoder.release(slot)
+    n = sum(totals)
+    return [round(c / n, 5) for c in totals] if n else []
+
+
+def _fast_decoder(model, block_length: int, cache_mode: str, num_slots: int = 16):
+    """Batched decoding on a SlotDecoder (KV-cached unless cache_mode is 'none')."""
+    from dilaserve_jax.decoding.offline import DecodeRequest, generate_many
+
+    decoder = _slot_decoder(model, block_length, cache_mode, num_slots)
 
     def run(prompts, gen_length, tau, on_done):
         reqs = [DecodeRequest(tuple(p), gen_length, block_length, tau) for p in prompts]
@@ -105,10 +133,10 @@ DECODER_FACTORIES = {"reference": _reference_decoder, "fast": _fast_decoder}
 
 def evaluate(cfg: EvalConfig, model=None, progress: bool = True) -> list[dict]:
     """Rows {task, kind, threshold, accuracy, tokens_per_step, steps, n, answer_length, block_length,
-    trajectories, valid, prompt_hash} for every task x threshold, then the summary rows.
-    `trajectories[i]` lists the positions problem i committed at each step (in order), `valid[i]`
-    whether its answer was graded valid, `prompt_hash[i]` identifies its prompt: the per-request,
-    per-step distribution the simulator's modelled runner replays."""
+    first_step_confidence, trajectories, valid, prompt_hash} for every task x threshold, then the
+    summary rows. `trajectories[i]` lists the positions problem i committed at each step (in order),
+    `valid[i]` whether its answer was graded valid, `prompt_hash[i]` identifies its prompt: the
+    per-request, per-step distribution the simulator's modelled runner replays."""
     from tqdm import tqdm
 
     from dilaserve_jax.models import load_model
@@ -117,6 +145,7 @@ def evaluate(cfg: EvalConfig, model=None, progress: bool = True) -> list[dict]:
 
     model = model or load_model(cfg.model)
     run = DECODER_FACTORIES[cfg.decoder](model, cfg.block_length, cfg.cache_mode)
+    probe = _slot_decoder(model, cfg.block_length, "dual")  # first steps: the serving path's refresh step
     names = cfg.tasks or tuple(TASKS)
     rows = []
     bar = tqdm(total=len(names) * len(cfg.thresholds) * cfg.per_task, desc="eval", unit="req",
@@ -124,6 +153,7 @@ def evaluate(cfg: EvalConfig, model=None, progress: bool = True) -> list[dict]:
     for name in names:
         task, problems = TASKS[name], unique_problems(name, cfg.split, cfg.per_task, cfg.seed)
         prompts = [model.tokenizer.encode(p.prompt) for p in problems]
+        signature = first_step_confidence(probe, prompts, task.gen_length, cfg.block_length)
         for tau in cfg.thresholds:
             bar.set_postfix(task=name, tau=tau)
             decoded = run(prompts, task.gen_length, tau, bar.update)
@@ -134,6 +164,7 @@ def evaluate(cfg: EvalConfig, model=None, progress: bool = True) -> list[dict]:
                          "tokens_per_step": sum(d.committed for d in decoded) / max(steps, 1),
                          "steps": steps / len(problems), "n": len(problems),
                          "answer_length": task.gen_length, "block_length": min(cfg.block_length, task.gen_length),
+                         "first_step_confidence": signature,
                          "trajectories": [list(d.per_step) for d in decoded], "valid": valid,
                          "prompt_hash": [prompt_hash(p) for p in prompts]})
     bar.close()
@@ -177,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "rate, mean tokens committed per denoising step, and steps per request.")
     p.add_argument("--model", default=d.model, help="preset (tiny) or checkpoint directory (default tiny)")
     p.add_argument("--thresholds", type=float, nargs="+", default=list(d.thresholds),
-                   help="confidence thresholds tau in (0, 1] (default 1.0 0.9 0.7 0.5 0.3)")
+                   help="confidence thresholds tau in (0, 1] (default " + " ".join(map(str, d.thresholds)) + ")")
     p.add_argument("--per-task", type=int, default=d.per_task, help=f"problems per task (default {d.per_task})")
     p.add_argument("--tasks", nargs="+", default=None, help="subset of tasks (default all)")
     p.add_argument("--block-length", type=int, default=d.block_length, help="semi-autoregressive block length")

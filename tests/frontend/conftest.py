@@ -69,13 +69,14 @@ def fake_loader(names, delay_s=0.0):
 
 
 def fake_cluster(instances=2, slots=4, max_queue=64, step_scale=1.0, policy="dilaserve", runner_cls=None,
-                 load_delay_s=0.0):
+                 load_delay_s=0.0, threshold=None):
     latency = LatencyModel.from_profile(fake_profile())
     engines, infos = [], []
     for i in range(instances):
         runner = (runner_cls or CharFakeRunner)(slots, real_sleep=True,
                                                 step_time=lambda k, b, l, blk: step_scale * (0.004 if k == 0 else 0.001))
-        cfg = SchedulerConfig(num_slots=slots, policy=policy, max_queue=max_queue)
+        cfg = SchedulerConfig(num_slots=slots, policy=policy, max_queue=max_queue,
+                              **({"threshold": threshold} if threshold is not None else {}))
         engines.append(Engine(runner, Scheduler(cfg, latency), clock=time.monotonic, name=f"instance-{i}"))
         infos.append(InstanceInfo(f"instance-{i}", 1, (i,)))
     tok = CharTokenizer()

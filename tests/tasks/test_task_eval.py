@@ -1,6 +1,7 @@
 """Evaluation: option validation, rows and table; the fast decoder is wired in."""
 import pytest
 
+from dilaserve_jax.decoding.commit import CONFIDENCE_BINS
 from dilaserve_jax.models import load_model
 from dilaserve_jax.tasks.eval import EvalConfig, evaluate, format_table, main, summary_rows
 
@@ -30,8 +31,12 @@ def test_evaluate_rows_have_the_documented_keys():
     task_rows = [r for r in rows if r["task"] == "repeat"]
     assert [r["threshold"] for r in task_rows] == [1.0, 0.3]
     for r in task_rows:
-        assert {"task", "threshold", "accuracy", "tokens_per_step", "steps"} <= set(r)
+        assert {"task", "threshold", "accuracy", "tokens_per_step", "steps", "answer_length"} <= set(r)
         assert 0.0 <= r["accuracy"] <= 1.0 and r["steps"] >= 1 and r["tokens_per_step"] >= 1.0
+        assert r["answer_length"] == 12
+        # first-step signature: shares per confidence bin of the first block's masked positions
+        assert len(r["first_step_confidence"]) == CONFIDENCE_BINS and abs(sum(r["first_step_confidence"]) - 1.0) < 1e-3
+    assert task_rows[0]["first_step_confidence"] == task_rows[1]["first_step_confidence"]  # τ-independent
 
 
 def test_cli_rejects_bad_thresholds(capsys):
