@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"waiting requests per instance before rejection (default {d.max_queue}, as serve)")
     p.add_argument("--tau-min", type=float, default=d.tau_min, help=f"per-request τ floor (default {d.tau_min})")
     p.add_argument("--tau-max", type=float, default=d.tau_max, help=f"per-request τ ceiling (default {d.tau_max})")
+    p.add_argument("--max-accuracy-drop", type=_points, default=d.max_accuracy_drop,
+                   help="dilaserve: the serving accuracy budget, mean predicted drop vs τ_max in points, or none "
+                        f"(unbounded; default {d.max_accuracy_drop:g})")
+    p.add_argument("--budget-mode", default=d.budget_mode, choices=("adaptive", "floor"),
+                   help=f"budget mode, as serve's (default {d.budget_mode})")
     p.add_argument("--static-tau", type=float, default=d.static_tau, help=f"τ of the static policies (default {d.static_tau})")
     p.add_argument("--slo-tp", type=int, default=1, help="TP degree of the instance idle latencies refer to (default 1)")
     p.add_argument("--interconnect-gbps", type=float, default=c.bandwidth_gbps,
@@ -84,6 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, metavar="PNG", help="draw load, attainment, latency and layout over time")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
+
+
+def _points(text: str) -> float | None:
+    if text.lower() in ("none", "unbounded", "inf"):
+        return None
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("the accuracy budget is >= 0 points (or none)")
+    return value
 
 
 def make_specs(args, m: ModelSetup, *, model: str, tau: float, slo_tp: int) -> list[RequestSpec]:
@@ -112,7 +126,8 @@ def run(args, say) -> tuple[dict, SimResult]:
     cfg = SimConfig(devices=args.devices, policy=args.policy, layout=layout, initial_layout=args.initial_layout,
                     layouts=tuple(x for x in (args.layouts or "").split(",") if x), tp_degrees=tuple(args.tp),
                     ablate=ablate, slots=args.slots, max_queue=args.max_queue, static_tau=args.static_tau, tau_min=args.tau_min,
-                    tau_max=args.tau_max, controller=ccfg, seed=args.seed)
+                    tau_max=args.tau_max, controller=ccfg, max_accuracy_drop=args.max_accuracy_drop,
+                    budget_mode=args.budget_mode, seed=args.seed)
     t0 = time.perf_counter()
     buckets = None if args.length_buckets is None else (
         () if args.length_buckets == "none" else tuple(int(x) for x in args.length_buckets.split(",")))
@@ -122,7 +137,7 @@ def run(args, say) -> tuple[dict, SimResult]:
     say(f"{len(specs)} requests over {specs[-1].arrival if specs else 0:.0f} s; profile: {m.profile.label}; "
         f"quality: {m.quality.source or m.quality.name} (set up in {time.perf_counter() - t0:.1f} s)")
     sim = Simulation(cfg, specs, step_time=m.step_time, latency=m.latency, quality=m.quality, prior=m.prior,
-                     param_bytes=m.param_bytes, progress=not args.no_progress)
+                     param_bytes=m.param_bytes, progress=not args.no_progress, eval_rows=m.eval_rows)
     res = sim.run()
     duration = args.duration or (specs[-1].arrival if specs else 0.0)
     row = {"system": cfg.name, "rate": len(specs) / duration if duration else 0.0, **summarize(res.records, duration=duration),
@@ -192,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"layout {row['start_layout']} -> {row['final_layout']}; {row['reconfigurations']} reconfigurations "
               f"({row['moved_on_reconfigure']} requests moved), {row['migrations']} at-risk migrations; "
               f"{row['sim_s']:.0f} s simulated in {row['wall_s']:.1f} s wall")
+        if "accuracy_drop_points" in row:
+            budget = "unbounded" if args.max_accuracy_drop is None else f"{args.max_accuracy_drop:g} points"
+            print(f"accuracy: expected {100 * row['expected_accuracy']:.2f}% ({row['accuracy_drop_points']:+.2f} points "
+                  f"below the same requests at τ_max); serving budget {budget}, mean predicted loss "
+                  f"{row.get('predicted_loss_points', 0.0):.2f} points")
         if "accuracy_note" in row:
             print(row["accuracy_note"])
     if args.plot:

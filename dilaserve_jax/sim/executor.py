@@ -180,10 +180,11 @@ class ModelledRunner:
         return out
 
     def _advance(self, slot: int, st: _Slot, tau: float) -> SlotOutcome:
+        opening = st.progress.committed == 0  # its first step: the histogram the budget's evidence comes from
         first, n, block_done, finished = advance(self.quality, st.plan, st.progress, tau)
         st.needs_refresh = block_done
         return SlotOutcome(slot, tuple(range(first, first + n)), (TOKEN,) * n, n, min(1.0, tau + 0.05), block_done,
-                           finished)
+                           finished, st.plan.first_counts if opening else ())
 
     def answer(self, slot: int) -> list[int]:
         return [TOKEN] * self.slots[slot].progress.committed

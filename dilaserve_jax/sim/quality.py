@@ -19,6 +19,14 @@ Two sources, one interface (`QualityModel`):
   per-block log-normal factor, and commits evenly over them. Validity: the table's accuracy at the
   τ of each committed position, averaged.
 
+Accuracy budget: the simulator runs the serving code's budget unchanged
+(`ThresholdConfig.from_eval` over `eval_rows()`: the measured rows themselves, or the published
+table written as eval rows). Its evidence is a request's first-step confidence histogram; a
+modelled request reports one at its first step, drawn from its task's measured first-step
+signature (multinomial over the block's positions), and none at later steps, so the budget
+charges every later step below τ_max as one that changed commits (the serving code's rule for a
+step without a histogram: conservative). A published table has no signature: no evidence.
+
 Each request's randomness derives from (model seed, request key) only, so a request that moves
 between instances continues exactly as it would have in place.
 """
@@ -55,6 +63,8 @@ LLADA_8B_GSM8K = {
     "grid": [1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5, 0.4, 0.3],
     "block_sigma": 0.25,  # per-block log-normal spread of the rate (assumed; see docs/simulation.md)
     "request_sigma": 0.25,  # per-request log-normal spread of the rate (assumed)
+    "n": 1319,  # GSM8K test problems (Cobbe et al., arXiv:2110.14168), the set the table was measured on
+    "answer_length": 256,
 }
 PUBLISHED = {"llada_8b": LLADA_8B_GSM8K}
 
@@ -108,6 +118,8 @@ class QualityModel:
         self.by_prompt = {(t.task, t.prompt): t for pool in self.templates.values() for t in pool if t.prompt}
         self.match_prompts = True  # a request whose prompt was measured replays its own trajectories
         self.table = dict(table) if table is not None else None
+        self.signatures: dict[str, tuple[float, ...]] = {}  # task -> first-step confidence shares per bin
+        self.rows: list[dict] = []  # the eval rows it was built from (measured)
         if not self.templates and self.table is None:
             raise ValueError("a quality model needs measured templates or a published table")
         if self.table is not None:
@@ -151,7 +163,11 @@ class QualityModel:
                 Template(task, tuple(_blocks_of(by_tau[t]["trajectories"][i], block) for t in grid),
                          tuple(int(by_tau[t]["valid"][i]) for t in grid), hashes[i])
                 for i in range(n.pop())]
-        return cls(name="measured", grid=grid, templates=templates, seed=seed, source=source)
+        model = cls(name="measured", grid=grid, templates=templates, seed=seed, source=source)
+        model.signatures = {r["task"]: tuple(float(x) for x in r["first_step_confidence"])
+                            for r in per_task if r.get("first_step_confidence")}
+        model.rows = [dict(r) for r in rows]
+        return model
 
     @classmethod
     def from_table(cls, table: Mapping | str, seed: int = 0) -> "QualityModel":
@@ -193,6 +209,34 @@ class QualityModel:
     @property
     def tasks(self) -> tuple[str, ...]:
         return tuple(self.templates) if self.templates else (str(self.table.get("task", "task")),)
+
+    def eval_rows(self) -> list[dict]:
+        """Rows in the format of `python -m dilaserve_jax.tasks.eval --json`, for the serving code's
+        `ThresholdConfig.from_eval`: the measured rows, or the published table's points on its grid
+        (accuracy and tokens per step as `table_accuracy`/`table_rate`, so extrapolated alike)."""
+        if self.table is None:
+            return [dict(r) for r in self.rows]
+        task, n = self.tasks[0], int(self.table.get("n", 1))
+        length = int(self.table.get("answer_length", 256))
+        return [{"task": task, "kind": "published", "threshold": t, "accuracy": self.table_accuracy(t),
+                 "tokens_per_step": self.table_rate(t), "steps": length / self.table_rate(t), "n": n,
+                 "answer_length": length} for t in sorted(self.grid, reverse=True)]
+
+    def first_step_counts(self, task: str, key: int, positions: int) -> tuple[int, ...]:
+        """A request's first-step confidence histogram: `positions` masked positions spread over its
+        task's measured signature (a multinomial draw fixed by the key); () without a signature."""
+        sig = self.signatures.get(task)
+        if not sig or positions <= 0:
+            return ()
+        cum, total = [], 0.0
+        for share in sig:
+            total += share
+            cum.append(total)
+        counts = [0] * len(sig)
+        for i in range(positions):
+            u = self.uniform(key, 9, i) * total
+            counts[min(len(sig) - 1, bisect.bisect_right(cum, u))] += 1
+        return tuple(counts)
 
     # --- the table ---
     def table_rate(self, tau: float) -> float:
@@ -289,6 +333,7 @@ class RequestPlan:
     finish_tokens: int | None = None  # table mode: positions up to and including the EOS
     request_factor: float = 1.0
     block_sigma: float = 0.0
+    first_counts: tuple[int, ...] = ()  # its first step's confidence histogram (the budget's evidence)
     _block_factors: dict[int, float] = field(default_factory=dict)
 
     @property
@@ -314,13 +359,14 @@ def make_plan(model: QualityModel, key: int, task: str, answer_length: int, bloc
               finish_tokens: int | None = None, prompt_tokens: Sequence[int] | None = None) -> RequestPlan:
     """The plan of one request: its measured problem (its own, or drawn from `key`) or its table rates."""
     template = model.template(task, key, prompt_tokens)
+    first = model.first_step_counts(task, key, min(block_length, answer_length))
     if template is not None:
-        return RequestPlan(key, task, answer_length, block_length, template)
+        return RequestPlan(key, task, answer_length, block_length, template, first_counts=first)
     z = model.normal(key, 2)
     factor = math.exp(model.request_sigma * z - model.request_sigma ** 2 / 2)
     if finish_tokens is not None and not 1 <= finish_tokens <= answer_length:
         raise ValueError(f"finish_tokens {finish_tokens} outside the answer area {answer_length}")
-    return RequestPlan(key, task, answer_length, block_length, None, finish_tokens, factor, model.block_sigma)
+    return RequestPlan(key, task, answer_length, block_length, None, finish_tokens, factor, model.block_sigma, first)
 
 
 def uniform(*ints: int) -> float:

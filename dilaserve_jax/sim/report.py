@@ -50,6 +50,12 @@ def summarize(records: Iterable, *, duration: float | None = None) -> dict:
         "moves": sum(_get(r, "moves", 0) for r in recs),
         "offered_rate": len(recs) / span if span > 0 else math.nan,
     }
+    paired = [r for r in graded if _get(r, "valid_p") is not None and _get(r, "valid_p_ref") is not None]
+    if paired:  # simulated: expected accuracy and its drop vs τ_max on the same requests (no draw noise)
+        out["expected_accuracy"] = sum(_get(r, "valid_p") for r in paired) / len(paired)
+        out["accuracy_drop_points"] = 100 * sum(_get(r, "valid_p_ref") - _get(r, "valid_p") for r in paired) / len(paired)
+    if any(_get(r, "predicted_loss") is not None for r in ok):
+        out["predicted_loss_points"] = sum(_get(r, "predicted_loss", 0.0) or 0.0 for r in ok) / max(1, len(ok))
     if low:
         out["extrapolated_share"] = low / max(1, committed)
     return out

@@ -31,6 +31,7 @@ class ModelSetup:
     step_time: StepTimeModel
     quality: QualityModel
     prior: dict[float, float]
+    eval_rows: list[dict]  # `tasks.eval --json` rows: the serving code's speed prior and accuracy budget
     param_bytes: float
     max_len: int
     tp_degrees: tuple[int, ...]
@@ -67,16 +68,16 @@ def setup_model(model: str, profile: str | None, *, eval_rows: str | None = None
         rows = json.loads(Path(rows_path).read_text())
         quality = QualityModel.from_eval_rows(rows, seed=seed)
         quality.source = rows_path
-        prior = prior_from_eval_json(rows)
         param_bytes = float((ASSETS / "model.safetensors").stat().st_size)
         max_len = int(json.loads((ASSETS / "config.json").read_text())["max_sequence_length"])
     else:
         prof = load_profile(profile or "h100", tp_degrees)
         quality = QualityModel.from_table("llada_8b", seed=seed)
-        prior = {t: quality.table_rate(t) for t in sorted(quality.grid, reverse=True)}
         total = LLADA_8B.layers * LLADA_8B.layer_params + 2 * LLADA_8B.vocab * LLADA_8B.d_model
         param_bytes = float(total * LLADA_8B.bytes_per_param)
         max_len = 4096
+    eval_rows = quality.eval_rows()
+    prior = prior_from_eval_json(eval_rows)
     if length_buckets is None:
         length_buckets = LLADA_LENGTH_BUCKETS if model == "llada_8b" else tuple(sorted({p.canvas for p in prof.points}))
     batch_buckets = tuple(2 ** k for k in range(slots.bit_length()) if 2 ** k < slots) + (slots,) if length_buckets else ()
@@ -88,4 +89,4 @@ def setup_model(model: str, profile: str | None, *, eval_rows: str | None = None
     # otherwise the fitted model (shapes between grid points)
     table = {(int(p.kind), p.tp, p.batch, p.canvas, p.block): p.seconds for p in prof.points} if length_buckets else {}
     step_time = StepTimeModel(latency, table, batch_buckets, length_buckets, noise, overhead_s)
-    return ModelSetup(model, prof, latency, step_time, quality, prior, param_bytes, max_len, tps)
+    return ModelSetup(model, prof, latency, step_time, quality, prior, eval_rows, param_bytes, max_len, tps)

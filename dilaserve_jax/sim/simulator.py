@@ -24,6 +24,7 @@ from dilaserve_jax.serving.controller import ClusterController, ControllerConfig
 from dilaserve_jax.serving.engine import Engine, RequestResult
 from dilaserve_jax.serving.latency import LatencyModel
 from dilaserve_jax.serving.limits import DEFAULT_MAX_QUEUE
+from dilaserve_jax.serving.quality import BUDGET_MODES
 from dilaserve_jax.serving.request import Request, RequestState
 from dilaserve_jax.serving.scheduler import POLICIES, Scheduler, SchedulerConfig
 from dilaserve_jax.serving.threshold import ThresholdConfig
@@ -49,6 +50,8 @@ class SimConfig:
     tau_max: float = 0.9
     max_queue: int = DEFAULT_MAX_QUEUE  # waiting requests per instance before rejection (the server's default)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    max_accuracy_drop: float | None = 1.0  # the serving budget (points vs τ_max); None: unbounded
+    budget_mode: str = "adaptive"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -61,6 +64,10 @@ class SimConfig:
             raise ValueError(f"unknown ablations {sorted(bad)}; choose from {', '.join(ABLATIONS)}")
         if self.policy != "dilaserve" and (self.ablate or self.layout == "auto"):
             raise ValueError(f"{self.policy} runs on a fixed --layout (e.g. 2x4) and takes no --ablate")
+        if self.budget_mode not in BUDGET_MODES:
+            raise ValueError(f"budget mode must be one of {BUDGET_MODES}, got {self.budget_mode!r}")
+        if self.max_accuracy_drop is not None and not self.max_accuracy_drop >= 0:
+            raise ValueError(f"max_accuracy_drop must be >= 0 points (or None), got {self.max_accuracy_drop}")
         if not 0 < self.tau_min <= self.tau_max <= 1 or not 0 < self.static_tau <= 1:
             raise ValueError("need 0 < tau_min <= tau_max <= 1 and static_tau in (0, 1]")
         for spec in (self.layout, self.initial_layout, *self.layouts):
@@ -89,6 +96,9 @@ class RequestRecord:
     valid: bool | None
     moves: int
     instance: str
+    predicted_loss: float = 0.0  # accuracy points the serving budget charged its τ trajectory
+    valid_p: float | None = None  # the quality model's P(valid) at the τ it ran (`valid` is a draw of it)
+    valid_p_ref: float | None = None  # the same at its τ_max throughout: the paired reference for the drop
 
     @property
     def latency(self) -> float | None:
@@ -113,9 +123,13 @@ class Simulation:
     def __init__(self, cfg: SimConfig, specs: Sequence[RequestSpec], *, step_time: StepTimeModel | None,
                  latency: LatencyModel, quality: QualityModel | None, prior: Mapping[float, float] | None,
                  param_bytes: float, progress: bool = False, label: str = "",
-                 runner_factory: Callable[[InstanceInfo, VirtualClock], object] | None = None) -> None:
+                 runner_factory: Callable[[InstanceInfo, VirtualClock], object] | None = None,
+                 eval_rows: Sequence[Mapping] | None = None) -> None:
         """`runner_factory(info, clock)` replaces the modelled runner (tests drive the fake runner);
-        without it `step_time` and `quality` are required."""
+        without it `step_time` and `quality` are required. `eval_rows` (`tasks.eval --json` format;
+        `QualityModel.eval_rows()`): the threshold controller's speed prior and accuracy budget, built
+        by the serving code (`ThresholdConfig.from_eval`, `cfg.max_accuracy_drop`); without them the
+        `prior` alone and no budget."""
         if runner_factory is None and (step_time is None or quality is None):
             raise ValueError("the modelled runner needs a step-time model and a quality model")
         self.cfg, self.specs = cfg, list(specs)
@@ -124,7 +138,12 @@ class Simulation:
         self.param_bytes, self.progress, self.label = param_bytes, progress, label or cfg.name
         self.plans: dict[int, RequestPlan] = {}
         self.records: list[RequestRecord] = []
-        self._tcfg = ThresholdConfig.with_prior(self.prior) if self.prior else ThresholdConfig()
+        if eval_rows:
+            self._tcfg = ThresholdConfig.from_eval(list(eval_rows), max_accuracy_drop=cfg.max_accuracy_drop,
+                                                   budget_mode=cfg.budget_mode)
+            self.prior = dict(self._tcfg.prior)
+        else:
+            self._tcfg = ThresholdConfig.with_prior(self.prior) if self.prior else ThresholdConfig()
         self._tclass = threshold_controller_class(cfg.ablate) if cfg.policy == "dilaserve" else None
         self.hooks: list = []  # step hooks added to every engine (tests)
         self.runner_factory = runner_factory
@@ -258,18 +277,19 @@ class Simulation:
         err = fut.exception()
         res: RequestResult | None = None if err is not None else fut.result()
         state = "FAILED" if res is None else res.state.name
-        valid = None
+        valid = p = p_ref = None
         low = 0
         steps = [(s.tau, s.n_committed) for s in req.steps]
         if res is not None and res.state == RequestState.FINISHED_OK and plan is not None:
             p = self.quality.valid_probability(plan, steps)
             valid = self.quality.uniform(key, 5) < p
+            p_ref = self.quality.valid_probability(plan, [(req.tau_max, 1)])
         if self.quality is not None and self.quality.extrapolated_below:
             low = sum(n for tau, n in steps if tau < self.quality.extrapolated_below - 1e-9)
         self.records.append(RequestRecord(
             req.id, task, req.arrival, req.deadline, req.finish_time, state, bool(res and res.deadline_met),
             len(steps), sum(tau for tau, _ in steps), sum(n for _, n in steps), low, valid, req.moves,
-            res.instance if res is not None else ""))
+            res.instance if res is not None else "", float(req.predicted_loss), p, p_ref))
 
 
 def _shape(s: RequestSpec, cfg: SimConfig) -> RequestShape:

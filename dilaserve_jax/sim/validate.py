@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-range", type=float, nargs=2, default=[2.0, 6.0], metavar=("LO", "HI"),
                    help="SLO = uniform(LO, HI) x the prompt's idle latency (default 2 6)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--max-accuracy-drop", type=float, default=1.0,
+                   help="dilaserve's accuracy budget in points, on both sides (serving's default 1; a negative value: "
+                        "unbounded)")
     p.add_argument("--sim-seeds", type=int, default=3, help="simulator seeds per point, averaged (default 3)")
     p.add_argument("--repeats", type=int, default=1,
                    help="serve every real point this many times (the real server's own run-to-run spread; default 1)")
@@ -73,17 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # --- the real side -----------------------------------------------------------------------------
-def serve_measured(bench, policy: str, trace: list, progress: bool, desc: str) -> tuple[list, dict]:
+def serve_measured(bench, policy: str, trace: list, progress: bool, desc: str, budget: float | None = 1.0
+                   ) -> tuple[list, dict]:
     """`bench.policies.Bench.serve`, with every step and every engine iteration timed."""
     from tqdm.auto import tqdm
 
     from dilaserve_jax.serving.engine import Engine
     from dilaserve_jax.serving.request import make_request
     from dilaserve_jax.serving.scheduler import Scheduler, SchedulerConfig
-    from dilaserve_jax.serving.threshold import ThresholdConfig
-
     cfg = bench.cfg
-    tcfg = ThresholdConfig.with_prior(bench.prior) if bench.prior else ThresholdConfig()
+    tcfg = bench.threshold_config(budget, "adaptive")  # the shipped eval rows: speed prior and accuracy budget
     sched = Scheduler(SchedulerConfig(cfg.slots, policy=policy, static_tau=cfg.static_tau, max_queue=10_000,
                                       threshold=tcfg), bench.latency)
     engine = Engine(bench.runner, sched)
@@ -134,12 +136,14 @@ def real_records(bench, reqs) -> list[dict]:
         out.append({"id": r.id, "task": index[r.prompt_tokens].problem.task, "arrival": r.arrival,
                     "finish": r.finish_time, "state": r.state.name, "met": bool(r.deadline_met),
                     "steps": len(r.steps), "tau_sum": sum(s.tau for s in r.steps),
-                    "committed": sum(s.n_committed for s in r.steps), "valid": valid, "moves": r.moves})
+                    "committed": sum(s.n_committed for s in r.steps), "valid": valid, "moves": r.moves,
+                    "predicted_loss": float(r.predicted_loss)})
     return out
 
 
 # --- the simulated side ------------------------------------------------------------------------
-def simulate(bench_info: dict, policy: str, trace: list, items: list, *, step_time, latency, prior, seeds: int) -> list:
+def simulate(bench_info: dict, policy: str, trace: list, items: list, *, step_time, latency, prior, seeds: int,
+             eval_rows: list | None = None) -> list:
     from dilaserve_jax.sim.setup import ASSETS
     from dilaserve_jax.sim.quality import QualityModel
     from dilaserve_jax.sim.simulator import SimConfig, Simulation
@@ -153,9 +157,10 @@ def simulate(bench_info: dict, policy: str, trace: list, items: list, *, step_ti
         quality = QualityModel.from_eval_rows(rows, seed=seed)
         cfg = SimConfig(devices=1, policy=policy, layout="1x1", slots=bench_info["slots"],
                         static_tau=bench_info["static_tau"], tau_min=bench_info["tau_range"][0],
-                        tau_max=bench_info["tau_range"][1], max_queue=10_000, seed=seed)
+                        tau_max=bench_info["tau_range"][1], max_queue=10_000,
+                        max_accuracy_drop=bench_info.get("budget"), seed=seed)
         res = Simulation(cfg, specs, step_time=step_time, latency=latency, quality=quality, prior=prior,
-                         param_bytes=0.0).run()
+                         param_bytes=0.0, eval_rows=eval_rows).run()
         out.append(res)
     return out
 
@@ -255,7 +260,8 @@ def measure_real(args, say) -> dict:
     bench.build()
     idle, cap = bench.capacity()
     say(f"capacity at τ={cfg.static_tau}: {cap:.2f} req/s; idle latency mean {1e3 * np.mean(idle):.0f} ms")
-    info = {"slots": cfg.slots, "static_tau": cfg.static_tau, "tau_range": [cfg.tau_min, cfg.tau_max],
+    budget = None if args.max_accuracy_drop < 0 else args.max_accuracy_drop
+    info = {"budget": budget, "slots": cfg.slots, "static_tau": cfg.static_tau, "tau_range": [cfg.tau_min, cfg.tau_max],
             "capacity_rps": cap, "duration": cfg.duration, "slo_range": list(cfg.slo_range),
             "profile_label": bench.profile.label, "fit": str(bench.latency.report)}
     items = [{"task": it.problem.task, "tokens": list(it.tokens), "answer": it.answer, "block": it.block}
@@ -267,14 +273,16 @@ def measure_real(args, say) -> dict:
             trace = bench.trace(rate, idle, k)
             shift = (k + rep) % len(policies)
             for p in policies[shift:] + policies[:shift]:
-                reqs, tm = serve_measured(bench, p, trace, progress, f"real {p} @ {rate:g}/s")
+                reqs, tm = serve_measured(bench, p, trace, progress, f"real {p} @ {rate:g}/s", budget)
                 runs.append({"policy": p, "rate": rate, "load": factor, "repeat": rep, "trace": trace,
                              "records": real_records(bench, reqs), "steps": tm["steps"],
                              "busy_wall_s": tm["busy_wall_s"], "overhead_ms": 1e3 * tm["overhead_per_step_s"]})
                 say(f"real {p} @ {rate:g} req/s (pass {rep + 1}): "
                     f"{summarize(runs[-1]['records'], duration=cfg.duration)['slo_attainment']:.1%} attainment")
     return {"info": info | {"real_wall_s": time.perf_counter() - t_start}, "items": items, "runs": runs,
-            "profile": bench.profile.to_json(), "prior": {str(t): v for t, v in (bench.prior or {}).items()},
+            "profile": bench.profile.to_json(),
+            "prior": {str(t): v for t, v in bench.threshold_config(budget, "adaptive").prior},
+            "eval_rows": bench.rows,
             "batch_buckets": list(bench.runner.decoder.config.batch_buckets),
             "length_buckets": sorted(set(bench.lengths.values()))}
 
@@ -307,7 +315,7 @@ def compare_with_sim(measured: dict, seeds: int, source: str = "run", noise: str
         elif noise != "iid":
             raise ValueError(f"noise must be timeline or iid, got {noise!r}")
         sims = simulate(info, run_["policy"], run_["trace"], measured["items"], step_time=st, latency=latency,
-                        prior=prior, seeds=seeds)
+                        prior=prior, seeds=seeds, eval_rows=measured.get("eval_rows"))
         sim = _mean_rows(sims, duration)
         rows.append({"policy": run_["policy"], "rate": run_["rate"], "load": run_["load"],
                      "repeat": run_.get("repeat", 0), "real": real, "sim": sim, "compare": compare(real, sim)})
