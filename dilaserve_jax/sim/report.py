@@ -88,7 +88,9 @@ def headline(rows: Sequence[Mapping], ours: str, statics: Sequence[str]) -> dict
         return {"rate": rate, "best_static": best["system"], "static_attainment": best["slo_attainment"],
                 "attainment": d["slo_attainment"], "gain_points": 100 * (d["slo_attainment"] - best["slo_attainment"]),
                 "latency_change": d["mean_latency"] / best["mean_latency"] - 1,
-                "accuracy_change_points": 100 * (d["accuracy"] - best["accuracy"])}
+                "accuracy_change_points": 100 * (d["accuracy"] - best["accuracy"]),
+                "accuracy_drop_points": d.get("accuracy_drop_points", math.nan) - best.get("accuracy_drop_points", 0.0),
+                "latency": d["mean_latency"], "static_latency": best["mean_latency"]}
     return None
 
 
