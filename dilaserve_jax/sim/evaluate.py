@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['devices']:>3} devices {r['system']:<22} {r['rate']:>6.0f} req/s {r['requests']:>6} req  "
                   f"SLO {100 * r['slo_attainment']:5.1f}%  mean {r['mean_latency']:.2f} s  "
                   f"wall {r['wall_s']:6.1f} s  cpu {r['cpu_s']:6.1f} s")
-    print(f"\n{len(rows)} simulations in {wall:.0f} s wall")
+    print(f"\n{len(rows)} points, {len(jobs)} simulated now in {wall:.0f} s wall")
     if args.out:
         (Path(args.out) / "evaluate.json").write_text(json.dumps(out, indent=1, default=str))
         say(f"wrote {args.out}/evaluate.json and the plots")

@@ -247,7 +247,8 @@ def format_rows(rows: list[dict]) -> str:
 
 def measure_real(args, say) -> dict:
     """The real side (JAX): everything the simulated side is fed, as plain JSON."""
-    from dilaserve_jax.bench.policies import POLICIES, Bench, BenchConfig
+    from dilaserve_jax.bench.policies import Bench, BenchConfig
+    from dilaserve_jax.serving.scheduler import POLICIES
     from dilaserve_jax.decoding.compiled import enable_compile_cache
 
     enable_compile_cache(args.compile_cache)
