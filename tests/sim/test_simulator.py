@@ -127,6 +127,7 @@ def test_same_seed_same_run_and_another_seed_differs(llada):
     assert c.records != d.records
 
 
+@pytest.mark.slow
 def test_ablations_change_how_tau_is_chosen(llada):
     specs = _llada_specs(60, 3, slo=0.6)
     taus = {}
