@@ -405,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve Poisson arrivals of held-out task prompts on one real instance with each scheduling "
                     "policy (fcfs-static, edf-static, and dilaserve at each accuracy-loss budget) at several request "
                     "rates; print SLO attainment, mean/p99 latency, accuracy and its drop vs fcfs-static (paired per "
-                    "prompt, with a 95%% confidence interval), predicted loss, mean τ and tokens per step.")
+                    "prompt, with a 95% confidence interval), predicted loss, mean τ and tokens per step.")
     p.add_argument("--model", default=d.model, help="preset or checkpoint directory (default tiny)")
     p.add_argument("--attention", default="auto", choices=("auto", "xla", "pallas"),
                    help="attention implementation (auto = Pallas on GPU/TPU, XLA on CPU)")

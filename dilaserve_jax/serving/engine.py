@@ -24,134 +24,20 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
-from enum import IntEnum
 from typing import Any, Callable, Sequence
 
+from dilaserve_jax.serving.engine_types import (EngineSnapshot, EngineState, EngineUnavailable, FailureFn, Handoff,
+                                                HungStep, ProgressFn, RequestHandle, RequestResult, StepHook,
+                                                StepProgress, own_time)
 from dilaserve_jax.serving.request import Request, RequestState
-from dilaserve_jax.serving.scheduler import LoadSnapshot, Scheduler
-from dilaserve_jax.serving.types import Runner, SlotOutcome, StepKind, StepPlan
+from dilaserve_jax.serving.scheduler import Scheduler
+from dilaserve_jax.serving.timeline import StepTimeline
+from dilaserve_jax.serving.types import Runner, StepPlan
+
+__all__ = ["Engine", "EngineSnapshot", "EngineState", "EngineUnavailable", "FailureFn", "Handoff", "HungStep",
+           "ProgressFn", "RequestHandle", "RequestResult", "StepHook", "StepProgress", "StepTimeline", "own_time"]
 
 log = logging.getLogger(__name__)
-
-
-class EngineState(IntEnum):
-    CREATED = 0  # loop not started (step_once may still be driven by hand)
-    RUNNING = 1
-    STOPPED = 2
-    FAILED = 3
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine does not take work: stopped, or failed (`cause` says why)."""
-
-    def __init__(self, message: str, cause: BaseException | None = None):
-        super().__init__(message)
-        self.cause = cause
-
-
-class HungStep(RuntimeError):
-    """A runner call outlived the watchdog's limit."""
-
-
-@dataclass(frozen=True, slots=True)
-class StepProgress:
-    """One step's effect on one request (for streaming the canvas as it fills in)."""
-
-    request_id: str
-    kind: StepKind
-    tau: float
-    positions: tuple[int, ...]
-    tokens: tuple[int, ...]
-    committed: int  # answer tokens committed so far
-    answer_length: int
-    time: float
-    instance: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class RequestResult:
-    request_id: str
-    state: RequestState
-    tokens: tuple[int, ...]
-    deadline_met: bool
-    arrival: float
-    start: float | None
-    finish: float | None
-    steps: int
-    mean_tau: float | None
-    reject_reason: str | None = None
-    instance: str = ""  # the instance that finished it
-    moves: int = 0
-    taus: tuple[float, ...] = ()  # τ of every step, in order
-    predicted_loss: float = 0.0  # accuracy points its τ trajectory is predicted to have cost
-
-    @classmethod
-    def of(cls, r: Request, instance: str = "") -> "RequestResult":
-        return cls(r.id, r.state, tuple(r.output_tokens or ()), bool(r.deadline_met), r.arrival, r.start_time,
-                   r.finish_time, len(r.steps), r.mean_tau(), r.reject_reason, instance, r.moves,
-                   tuple(s.tau for s in r.steps), r.predicted_loss)
-
-
-ProgressFn = Callable[[StepProgress], None]
-StepHook = Callable[[str, StepPlan, Sequence[SlotOutcome], float, float], None]  # name, plan, outcomes, t0, t1
-
-
-@dataclass(slots=True)
-class Handoff:
-    """An unfinished request leaving an instance, with the future and callback of its caller."""
-
-    request: Request
-    future: Future
-    on_progress: ProgressFn | None
-    speed_ratio: float | None = None
-
-
-FailureFn = Callable[["Engine", list[Handoff], BaseException], None]
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """What other threads may read about an engine (published by its loop; immutable)."""
-
-    name: str
-    state: EngineState
-    load: LoadSnapshot
-    pending: tuple[float, ...]  # predicted seconds of work submitted, not yet seen by the scheduler
-    steps: int
-    error: str | None
-
-    @property
-    def healthy(self) -> bool:
-        return self.state in (EngineState.CREATED, EngineState.RUNNING)
-
-
-def own_time(load: LoadSnapshot, request: Request) -> float:
-    """The request's own predicted seconds on an instance, at τ_max, at the batch the instance's
-    published load implies (pure: reads only the immutable snapshot)."""
-    if load.estimator is None:
-        return 0.0
-    batch = max(1, min(load.num_slots, len(load.running_left) + len(load.waiting_left) + 1))
-    return load.estimator.own_time(request, batch)
-
-
-class RequestHandle:
-    def __init__(self, request_id: str, future: Future, where: Callable[[], str], abort: Callable[[], Any]) -> None:
-        self.request_id, self.future, self._where, self._abort = request_id, future, where, abort
-
-    def result(self, timeout: float | None = None) -> RequestResult:
-        return self.future.result(timeout)
-
-    @property
-    def instance(self) -> str:
-        """Name of the instance serving this request now (it may move)."""
-        return self._where()
-
-    def done(self) -> bool:
-        return self.future.done()
-
-    def abort(self) -> None:
-        self._abort()
 
 
 class Engine:
@@ -532,31 +418,3 @@ def _fail_future(fut: Future, err: BaseException) -> None:
             fut.set_exception(err)
         except Exception:  # noqa: BLE001
             pass
-
-
-class StepTimeline:
-    """Step hook recording (instance, start, end) of every step; measures cross-instance overlap."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.intervals: dict[str, list[tuple[float, float]]] = {}
-
-    def __call__(self, name: str, plan: StepPlan, outcomes: Sequence[SlotOutcome], t0: float, t1: float) -> None:
-        with self._lock:
-            self.intervals.setdefault(name, []).append((t0, t1))
-
-    def busy(self, name: str) -> float:
-        return sum(b - a for a, b in self.intervals.get(name, []))
-
-    def overlap(self, a: str, b: str) -> float:
-        """Seconds during which both instances were inside a step."""
-        total, xs, ys = 0.0, sorted(self.intervals.get(a, [])), sorted(self.intervals.get(b, []))
-        i = j = 0
-        while i < len(xs) and j < len(ys):
-            lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
-            total += max(0.0, hi - lo)
-            if xs[i][1] < ys[j][1]:
-                i += 1
-            else:
-                j += 1
-        return total

@@ -72,7 +72,8 @@ def test_pure_modules_import_without_jax():
             pass
         import dilaserve_jax.serving
         for m in ('request', 'latency', 'threshold', 'quality', 'scheduler', 'types', 'roofline', 'fake_runner', 'engine',
-                  'router', 'cluster', 'limits', 'capacity', 'controller', 'autoscale', 'reshape'):
+                  'engine_types', 'timeline', 'router', 'cluster', 'limits', 'capacity', 'controller', 'autoscale',
+                  'reshape'):
             importlib = __import__('importlib')
             importlib.import_module('dilaserve_jax.serving.' + m)
         bad = [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')]
