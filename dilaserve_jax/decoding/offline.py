@@ -38,6 +38,7 @@ class DecodeResult:
     steps: int  # steps this request took part in
     refresh_steps: int
     committed: int  # canvas positions committed (EOS included)
+    per_step: list[int] = field(default_factory=list)  # positions committed by each of its steps, in order
 
 
 @dataclass(slots=True)
@@ -67,6 +68,7 @@ def generate_many(decoder: SlotDecoder, requests: Sequence[DecodeRequest], *, ma
     pending = deque(enumerate(requests))
     active: dict[int, int] = {}  # slot -> request index
     counts: dict[int, list[int]] = {}  # slot -> [steps, refresh steps, committed]
+    per_step: dict[int, list[int]] = {}  # slot -> positions committed by each step
     stats = BatchStats()
     full_only = decoder.config.cache_mode is CacheMode.NONE
     bar = tqdm(total=len(requests), desc="decoding", unit="req", file=sys.stderr, disable=not progress)
@@ -81,10 +83,11 @@ def generate_many(decoder: SlotDecoder, requests: Sequence[DecodeRequest], *, ma
             c[0] += 1
             c[1] += refresh
             c[2] += out.n_committed
+            per_step[out.slot].append(out.n_committed)
             stats.committed += out.n_committed
             if out.request_finished:
                 i = active.pop(out.slot)
-                results[i] = DecodeResult(decoder.answer(out.slot), *c)
+                results[i] = DecodeResult(decoder.answer(out.slot), *c, per_step.pop(out.slot))
                 decoder.release(out.slot)
                 bar.update(1)
 
@@ -94,7 +97,7 @@ def generate_many(decoder: SlotDecoder, requests: Sequence[DecodeRequest], *, ma
                 i, req = pending.popleft()
                 decoder.admit(slot, req.prompt, req.answer_length, req.block_length,
                               temperature=req.temperature, seed=req.seed)
-                active[slot], counts[slot] = i, [0, 0, 0]
+                active[slot], counts[slot], per_step[slot] = i, [0, 0, 0], []
         if full_only:
             run(True, sorted(active))
             continue

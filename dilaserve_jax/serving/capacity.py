@@ -175,21 +175,20 @@ def evaluate_layouts(layouts: Sequence[tuple[int, ...]], curves: Mapping[int, Cu
         cap = np.array([curves[t].capacity for t in tps])
         share = counts[overloaded] * cap[None, :]
         per[overloaded] = rate * cap[None, :] / share.sum(axis=1, keepdims=True)
-    out = []
-    for c, lay in enumerate(layouts):
-        att = lat = tau = 0.0
-        for k, t in enumerate(tps):
-            n = counts[c, k]
-            if n == 0:
-                continue
-            r = per[c, k]
-            cv = curves[t]
-            w = n * r / rate
-            att += w * float(np.interp(r, cv.rates, cv.attainment))
-            lat += w * float(np.interp(r, cv.rates, cv.latency))
-            tau += w * float(np.interp(r, cv.rates, cv.tau))
-        out.append(LayoutPrediction(lay, att, lat, tau))
-    return out
+    # each layout's rate-weighted mean over its instances, TP by TP (all layouts at once; the same
+    # arithmetic, in the same order, as summing per layout)
+    att, lat, tau = (np.zeros(len(layouts)) for _ in range(3))
+    for k, t in enumerate(tps):
+        used = counts[:, k] != 0
+        if not used.any():
+            continue
+        r = per[:, k]
+        cv = curves[t]
+        w = counts[:, k] * r / rate
+        att = np.where(used, att + w * np.interp(r, cv.rates, cv.attainment), att)
+        lat = np.where(used, lat + w * np.interp(r, cv.rates, cv.latency), lat)
+        tau = np.where(used, tau + w * np.interp(r, cv.rates, cv.tau), tau)
+    return [LayoutPrediction(lay, float(a), float(l), float(u)) for lay, a, l, u in zip(layouts, att, lat, tau)]
 
 
 def _inverse(cv: Curves, levels: np.ndarray) -> np.ndarray:

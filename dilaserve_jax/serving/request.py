@@ -97,7 +97,7 @@ class Request:
     predicted_loss: float = 0.0  # accuracy points its τ trajectory is predicted to have cost
 
     def __post_init__(self) -> None:
-        self.prompt_tokens = tuple(int(t) for t in self.prompt_tokens)
+        self.prompt_tokens = tuple(map(int, self.prompt_tokens))
         if not self.id:
             raise ValueError("request id must be non-empty")
         if self.answer_length <= 0 or self.block_length <= 0:

@@ -172,6 +172,7 @@ class TokensPerStep:
         self._rates = [_interp(t, pts) for t in cfg.grid]
         self.counts = [0] * len(cfg.grid)
         self._mono: list[tuple[float, float]] | None = None  # monotone envelope, ascending τ (cached)
+        self._memo: dict[float, float] = {}  # τ -> rate until the next observation (plans ask many times)
 
     def bucket(self, tau: float) -> int:
         return min(range(len(self.cfg.grid)), key=lambda i: abs(self.cfg.grid[i] - tau))
@@ -181,16 +182,20 @@ class TokensPerStep:
         self._rates[i] += self.cfg.ema * (n_committed - self._rates[i])
         self.counts[i] += 1
         self._mono = None
+        self._memo.clear()
 
     def rate(self, tau: float) -> float:
         """Interpolated, and monotone: a lower τ never predicts fewer tokens than a higher one."""
-        if self._mono is None:
-            mono, best = [], 0.0
-            for r in self._rates:  # grid descends in τ
-                best = max(best, r)
-                mono.append(best)
-            self._mono = sorted(zip(self.cfg.grid, mono))
-        return max(1.0, _interp(tau, self._mono))
+        out = self._memo.get(tau)
+        if out is None:
+            if self._mono is None:
+                mono, best = [], 0.0
+                for r in self._rates:  # grid descends in τ
+                    best = max(best, r)
+                    mono.append(best)
+                self._mono = sorted(zip(self.cfg.grid, mono))
+            out = self._memo[tau] = max(1.0, _interp(tau, self._mono))
+        return out
 
     def snapshot(self) -> dict[float, float]:
         return {t: round(self.rate(t), 4) for t in self.cfg.grid}

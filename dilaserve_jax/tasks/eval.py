@@ -16,6 +16,13 @@ import json
 import sys
 from dataclasses import dataclass
 
+def prompt_hash(token_ids) -> str:
+    """A short stable id of a prompt's token ids (how the simulator finds a measured prompt)."""
+    import hashlib
+
+    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
+
+
 DEFAULT_THRESHOLDS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5, 0.3)
 DECODERS = ("reference", "fast")
 CACHE_MODES = ("none", "prefix", "dual")
@@ -56,6 +63,7 @@ class Decoded:
     answer: list[int]  # tokens before the first EOS
     steps: int
     committed: int  # positions committed over all steps (EOS included)
+    per_step: tuple[int, ...] = ()  # positions committed by each step, in order
 
 
 def _reference_decoder(model, block_length: int, cache_mode: str):
@@ -65,7 +73,7 @@ def _reference_decoder(model, block_length: int, cache_mode: str):
         out = []
         for p in prompts:
             r = generate(model.graphdef, model.params, model.config, p, gen_length, block_length, tau)
-            out.append(Decoded(r.answer, r.steps, sum(r.committed_per_step)))
+            out.append(Decoded(r.answer, r.steps, sum(r.committed_per_step), tuple(r.committed_per_step)))
             on_done(1)
         return out
 
@@ -115,7 +123,7 @@ def _fast_decoder(model, block_length: int, cache_mode: str, num_slots: int = 16
         reqs = [DecodeRequest(tuple(p), gen_length, block_length, tau) for p in prompts]
         results, _ = generate_many(decoder, reqs)
         on_done(len(prompts))
-        return [Decoded(r.answer, r.steps, r.committed) for r in results]
+        return [Decoded(r.answer, r.steps, r.committed, tuple(r.per_step)) for r in results]
 
     return run
 
@@ -124,8 +132,11 @@ DECODER_FACTORIES = {"reference": _reference_decoder, "fast": _fast_decoder}
 
 
 def evaluate(cfg: EvalConfig, model=None, progress: bool = True) -> list[dict]:
-    """Rows {task, kind, threshold, accuracy, tokens_per_step, steps, n, answer_length,
-    first_step_confidence} for every task x threshold, then the summary rows."""
+    """Rows {task, kind, threshold, accuracy, tokens_per_step, steps, n, answer_length, block_length,
+    first_step_confidence, trajectories, valid, prompt_hash} for every task x threshold, then the
+    summary rows. `trajectories[i]` lists the positions problem i committed at each step (in order),
+    `valid[i]` whether its answer was graded valid, `prompt_hash[i]` identifies its prompt: the
+    per-request, per-step distribution the simulator's modelled runner replays."""
     from tqdm import tqdm
 
     from dilaserve_jax.models import load_model
@@ -146,13 +157,16 @@ def evaluate(cfg: EvalConfig, model=None, progress: bool = True) -> list[dict]:
         for tau in cfg.thresholds:
             bar.set_postfix(task=name, tau=tau)
             decoded = run(prompts, task.gen_length, tau, bar.update)
-            correct = sum(grade(p, model.tokenizer.decode(d.answer)) for p, d in zip(problems, decoded))
+            valid = [int(grade(p, model.tokenizer.decode(d.answer))) for p, d in zip(problems, decoded)]
             steps = sum(d.steps for d in decoded)
             rows.append({"task": name, "kind": task.kind, "threshold": tau,
-                         "accuracy": correct / len(problems),
+                         "accuracy": sum(valid) / len(problems),
                          "tokens_per_step": sum(d.committed for d in decoded) / max(steps, 1),
-                         "steps": steps / len(problems), "n": len(problems), "answer_length": task.gen_length,
-                         "first_step_confidence": signature})
+                         "steps": steps / len(problems), "n": len(problems),
+                         "answer_length": task.gen_length, "block_length": min(cfg.block_length, task.gen_length),
+                         "first_step_confidence": signature,
+                         "trajectories": [list(d.per_step) for d in decoded], "valid": valid,
+                         "prompt_hash": [prompt_hash(p) for p in prompts]})
     bar.close()
     return rows + summary_rows(rows)
 

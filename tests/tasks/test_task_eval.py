@@ -37,6 +37,13 @@ def test_evaluate_rows_have_the_documented_keys():
         # first-step signature: shares per confidence bin of the first block's masked positions
         assert len(r["first_step_confidence"]) == CONFIDENCE_BINS and abs(sum(r["first_step_confidence"]) - 1.0) < 1e-3
     assert task_rows[0]["first_step_confidence"] == task_rows[1]["first_step_confidence"]  # τ-independent
+    for r in task_rows:  # per problem: its commits per step (they make up the pooled rate), validity, prompt id
+        assert len(r["trajectories"]) == len(r["valid"]) == len(r["prompt_hash"]) == r["n"] == 2
+        steps = sum(len(t) for t in r["trajectories"])
+        assert steps == r["steps"] * r["n"] and all(n >= 1 for t in r["trajectories"] for n in t)
+        assert abs(sum(map(sum, r["trajectories"])) / steps - r["tokens_per_step"]) < 1e-9
+        assert sum(r["valid"]) == r["accuracy"] * r["n"] and len(set(r["prompt_hash"])) == 2
+    assert task_rows[0]["prompt_hash"] == task_rows[1]["prompt_hash"]  # the same problems at every τ
 
 
 def test_cli_rejects_bad_thresholds(capsys):

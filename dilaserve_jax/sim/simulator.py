@@ -1,0 +1,338 @@
+"""The event loop: arrivals, instance iterations, switches and control rounds on virtual time.
+
+`Simulation(cfg, ...).run()` replays a list of `RequestSpec`s through a `SimCluster` of real
+`Engine`s (real `Scheduler`, `ThresholdController`, `Router`; for dilaserve the real
+`ClusterController` driven by the real `Autoscaler.round`) over modelled runners, and returns one
+record per request. Events at equal times run arrivals first, then switches, control rounds and
+instance iterations; each instance iterates at the end of its previous step, so instances step
+concurrently and the loop always advances to the next completion.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from dilaserve_jax.serving.autoscale import Autoscaler
+from dilaserve_jax.serving.capacity import RequestShape, binary_partitions, layout_text, parse_layout
+from dilaserve_jax.serving.cluster import InstanceInfo
+from dilaserve_jax.serving.controller import ClusterController, ControllerConfig
+from dilaserve_jax.serving.engine import Engine, RequestResult
+from dilaserve_jax.serving.latency import LatencyModel
+from dilaserve_jax.serving.limits import DEFAULT_MAX_QUEUE
+from dilaserve_jax.serving.quality import BUDGET_MODES
+from dilaserve_jax.serving.request import Request, RequestState
+from dilaserve_jax.serving.scheduler import POLICIES, Scheduler, SchedulerConfig
+from dilaserve_jax.serving.threshold import ThresholdConfig
+from dilaserve_jax.sim.cluster import ARRIVAL, CONTROL, SWITCH, SimCluster, SimInstance, SwitchCost
+from dilaserve_jax.sim.executor import ModelledRunner, StepTimeModel, VirtualClock, advance
+from dilaserve_jax.sim.policies import ABLATIONS, threshold_controller_class
+from dilaserve_jax.sim.quality import QualityModel, RequestPlan, make_plan
+from dilaserve_jax.sim.workload import RequestSpec
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    devices: int = 8
+    policy: str = "dilaserve"
+    layout: str = "auto"  # a mesh spec, or auto (dilaserve only: the controller chooses)
+    initial_layout: str | None = None  # auto: where it starts (default: predicted best for the first window)
+    layouts: tuple[str, ...] = ()  # auto: candidate layouts (default: every partition)
+    tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
+    ablate: frozenset[str] = frozenset()
+    slots: int = 8
+    static_tau: float = 0.9
+    tau_min: float = 0.6
+    tau_max: float = 0.9
+    max_queue: int = DEFAULT_MAX_QUEUE  # waiting requests per instance before rejection (the server's default)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    max_accuracy_drop: float | None = 1.0  # the serving budget (points vs τ_max); None: unbounded
+    budget_mode: str = "adaptive"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.devices < 1 or self.slots < 1:
+            raise ValueError("devices and slots must be >= 1")
+        bad = set(self.ablate) - set(ABLATIONS)
+        if bad:
+            raise ValueError(f"unknown ablations {sorted(bad)}; choose from {', '.join(ABLATIONS)}")
+        if self.policy != "dilaserve" and (self.ablate or self.layout == "auto"):
+            raise ValueError(f"{self.policy} runs on a fixed --layout (e.g. 2x4) and takes no --ablate")
+        if self.budget_mode not in BUDGET_MODES:
+            raise ValueError(f"budget mode must be one of {BUDGET_MODES}, got {self.budget_mode!r}")
+        if self.max_accuracy_drop is not None and not self.max_accuracy_drop >= 0:
+            raise ValueError(f"max_accuracy_drop must be >= 0 points (or None), got {self.max_accuracy_drop}")
+        if not 0 < self.tau_min <= self.tau_max <= 1 or not 0 < self.static_tau <= 1:
+            raise ValueError("need 0 < tau_min <= tau_max <= 1 and static_tau in (0, 1]")
+        for spec in (self.layout, self.initial_layout, *self.layouts):
+            if spec not in (None, "auto") and sum(parse_layout(spec)) != self.devices:
+                raise ValueError(f"layout {spec} does not cover {self.devices} devices")
+
+    @property
+    def name(self) -> str:
+        extra = "".join(f" -{a}" for a in sorted(self.ablate))
+        return f"{self.policy} {self.layout}{extra}"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    id: str
+    task: str
+    arrival: float
+    deadline: float
+    finish: float | None
+    state: str  # RequestState name, or "FAILED"
+    met: bool
+    steps: int
+    tau_sum: float
+    committed: int
+    low_tau_positions: int  # positions committed below the quality model's published range
+    valid: bool | None
+    moves: int
+    instance: str
+    predicted_loss: float = 0.0  # accuracy points the serving budget charged its τ trajectory
+    valid_p: float | None = None  # the quality model's P(valid) at the τ it ran (`valid` is a draw of it)
+    valid_p_ref: float | None = None  # the same at its τ_max throughout: the paired reference for the drop
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finish is None else self.finish - self.arrival
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    records: list[RequestRecord]
+    wall_s: float
+    sim_s: float
+    reconfigurations: list
+    migrations: dict[str, int]
+    layouts: list[tuple[float, str]]  # (time, layout) from the start
+    decisions: int = 0
+    quality: str = ""
+    extrapolated_below: float = 0.0
+
+
+class Simulation:
+    def __init__(self, cfg: SimConfig, specs: Sequence[RequestSpec], *, step_time: StepTimeModel | None,
+                 latency: LatencyModel, quality: QualityModel | None, prior: Mapping[float, float] | None,
+                 param_bytes: float, progress: bool = False, label: str = "",
+                 runner_factory: Callable[[InstanceInfo, VirtualClock], object] | None = None,
+                 eval_rows: Sequence[Mapping] | None = None) -> None:
+        """`runner_factory(info, clock)` replaces the modelled runner (tests drive the fake runner);
+        without it `step_time` and `quality` are required. `eval_rows` (`tasks.eval --json` format;
+        `QualityModel.eval_rows()`): the threshold controller's speed prior and accuracy budget, built
+        by the serving code (`ThresholdConfig.from_eval`, `cfg.max_accuracy_drop`); without them the
+        `prior` alone and no budget."""
+        if runner_factory is None and (step_time is None or quality is None):
+            raise ValueError("the modelled runner needs a step-time model and a quality model")
+        self.cfg, self.specs = cfg, list(specs)
+        self.step_time, self.latency, self.quality = step_time, latency, quality
+        self.prior = dict(prior) if prior else None
+        self.param_bytes, self.progress, self.label = param_bytes, progress, label or cfg.name
+        self.plans: dict[int, RequestPlan] = {}
+        self.records: list[RequestRecord] = []
+        if eval_rows:
+            self._tcfg = ThresholdConfig.from_eval(list(eval_rows), max_accuracy_drop=cfg.max_accuracy_drop,
+                                                   budget_mode=cfg.budget_mode)
+            self.prior = dict(self._tcfg.prior)
+        else:
+            self._tcfg = ThresholdConfig.with_prior(self.prior) if self.prior else ThresholdConfig()
+        self._tclass = threshold_controller_class(cfg.ablate) if cfg.policy == "dilaserve" else None
+        self.hooks: list = []  # step hooks added to every engine (tests)
+        self.runner_factory = runner_factory
+
+    # --- construction ---
+    def make_instance(self, info: InstanceInfo, t: float) -> SimInstance:
+        cfg = self.cfg
+        clock = VirtualClock(t)
+        if self.runner_factory is not None:
+            runner = self.runner_factory(info, clock)
+        else:
+            runner = ModelledRunner(cfg.slots, info.tp_degree, clock, self.step_time, self.quality, self.plans,
+                                    seed=cfg.seed * 1009 + info.device_ids[0])
+        ctl = self._tclass(self._tcfg) if self._tclass is not None else None
+        sched = Scheduler(SchedulerConfig(cfg.slots, policy=cfg.policy, tp=info.tp_degree, static_tau=cfg.static_tau,
+                                          max_queue=cfg.max_queue, threshold=self._tcfg), self.latency, ctl)
+        engine = Engine(runner, sched, clock=clock, name=info.name)
+        for hook in self.hooks:
+            engine.add_step_hook(hook)
+        return SimInstance(info, engine, clock)
+
+    def _candidates(self) -> list[tuple[int, ...]]:
+        tps = [t for t in self.cfg.tp_degrees if t <= self.cfg.devices]
+        if self.cfg.layouts:
+            return [parse_layout(x) for x in self.cfg.layouts]
+        return binary_partitions(self.cfg.devices, tps)
+
+    def _controller(self, layouts: Sequence[tuple[int, ...]]) -> ClusterController:
+        ccfg = self.cfg.controller
+        if "migration" in self.cfg.ablate:
+            ccfg = replace(ccfg, max_migrations=0)
+        tps = sorted({t for lay in layouts for t in lay})
+        return ClusterController(ccfg, num_devices=self.cfg.devices, tp_degrees=tps, latency=self.latency,
+                                 slots=self.cfg.slots, param_bytes=int(self.param_bytes), layouts=list(layouts),
+                                 tau_floor=self.cfg.tau_min, prior=self.prior)
+
+    def initial_layout(self) -> str:
+        cfg = self.cfg
+        if cfg.layout != "auto":
+            return cfg.layout
+        if cfg.initial_layout:
+            return cfg.initial_layout
+        cands = self._candidates()
+        window = cfg.controller.window_s
+        first = [s for s in self.specs if s.arrival < window]
+        if not first:
+            return layout_text(cands[0])
+        shapes = [_shape(s, cfg) for s in first[-cfg.controller.sample_size:]]
+        preds = self._controller(cands).predict(len(first) / window, shapes)
+        ref = min(p.latency_s for p in preds) or 1e-9
+        best = max(preds, key=lambda p: p.attainment + cfg.controller.tau_weight * p.tau
+                   - cfg.controller.latency_weight * p.latency_s / ref)
+        return layout_text(best.layout)
+
+    # --- the run ---
+    def run(self) -> SimResult:
+        cfg = self.cfg
+        t_wall = time.perf_counter()
+        start = self.initial_layout()
+        cost = SwitchCost(self.param_bytes, cfg.controller.bandwidth_gbps, cfg.controller.compile_s)
+        cluster = SimCluster(cfg.devices, start, self.make_instance, cost)
+        self.cluster = cluster
+        scaler = None
+        if cfg.policy == "dilaserve":
+            fixed = "reconfig" in cfg.ablate or cfg.layout != "auto"
+            ctl = self._controller([parse_layout(start)] if fixed else self._candidates())
+            cluster.controller = ctl
+            scaler = Autoscaler(cluster, ctl, mode="manual", clock=lambda: cluster.now)
+            cluster.push(cfg.controller.interval_s, CONTROL, None)
+        layouts = [(0.0, cluster.layout)]
+        n = len(self.specs)
+        done = [0]
+        if n:
+            cluster.push(self.specs[0].arrival, ARRIVAL, None, 0)
+        bar = _progress(n, self.label, self.progress)
+        outstanding = [0]
+
+        def arrival(t, _, i):
+            self._arrive(cluster, i, t, outstanding, done)
+            if i + 1 < n:
+                cluster.push(self.specs[i + 1].arrival, ARRIVAL, None, i + 1)
+
+        def control(t, _, __):
+            if outstanding[0] or done[0] < n:
+                if not cluster.switching:
+                    scaler.round(t)
+                cluster.push(t + cfg.controller.interval_s, CONTROL, None)
+
+        handlers = {ARRIVAL: arrival, CONTROL: control}
+        while (ev := cluster.process_next(handlers)) is not None:
+            if ev[1] == SWITCH:
+                layouts.append((ev[0], cluster.layout))
+            if bar is not None and done[0] != bar.n:
+                bar.update(done[0] - bar.n)
+                bar.set_postfix_str(f"t={ev[0]:.0f}s {cluster.layout}", refresh=False)
+        if bar is not None:
+            bar.close()
+        ctl = cluster.controller
+        q = self.quality
+        return SimResult(cfg, self.records, time.perf_counter() - t_wall, cluster.now, cluster.reconfigurations,
+                         dict(cluster.migrations), layouts, len(ctl.history) if ctl is not None else 0,
+                         (q.source or q.name) if q is not None else "", q.extrapolated_below if q is not None else 0.0)
+
+    def make_request(self, i: int) -> Request:
+        """The i-th request of the workload; its seed (i + 1) keys its plan in the modelled runner."""
+        s = self.specs[i]
+        return Request(f"r{i}", s.prompt_tokens, s.answer_length, s.block_length, s.arrival, s.arrival + s.slo,
+                       tau_min=self.cfg.tau_min, tau_max=self.cfg.tau_max, seed=i + 1)
+
+    def _arrive(self, cluster: SimCluster, i: int, t: float, outstanding: list[int], done: list[int]) -> None:
+        s = self.specs[i]
+        key = i + 1
+        if self.quality is not None:
+            self.plans[key] = make_plan(self.quality, key, s.task, s.answer_length, s.block_length, s.finish_tokens,
+                                        s.prompt_tokens)
+        req = self.make_request(i)
+        fut: Future = Future()
+        outstanding[0] += 1
+
+        def finished(f: Future, req=req, key=key, task=s.task) -> None:
+            outstanding[0] -= 1
+            done[0] += 1
+            self._record(req, key, task, f)
+            cluster.where.pop(req.id, None)
+
+        fut.add_done_callback(finished)
+        cluster.submit(req, fut, t)
+
+    def _record(self, req: Request, key: int, task: str, fut: Future) -> None:
+        plan = self.plans.pop(key, None)
+        err = fut.exception()
+        res: RequestResult | None = None if err is not None else fut.result()
+        state = "FAILED" if res is None else res.state.name
+        valid = p = p_ref = None
+        low = 0
+        steps = [(s.tau, s.n_committed) for s in req.steps]
+        if res is not None and res.state == RequestState.FINISHED_OK and plan is not None:
+            p = self.quality.valid_probability(plan, steps)
+            valid = self.quality.uniform(key, 5) < p
+            p_ref = self.quality.valid_probability(plan, [(req.tau_max, 1)])
+        if self.quality is not None and self.quality.extrapolated_below:
+            low = sum(n for tau, n in steps if tau < self.quality.extrapolated_below - 1e-9)
+        self.records.append(RequestRecord(
+            req.id, task, req.arrival, req.deadline, req.finish_time, state, bool(res and res.deadline_met),
+            len(steps), sum(tau for tau, _ in steps), sum(n for _, n in steps), low, valid, req.moves,
+            res.instance if res is not None else "", float(req.predicted_loss), p, p_ref))
+
+
+def _shape(s: RequestSpec, cfg: SimConfig) -> RequestShape:
+    return RequestShape(len(s.prompt_tokens), s.answer_length, s.block_length, s.slo, cfg.tau_min, cfg.tau_max)
+
+
+def _progress(total: int, label: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=label, unit="req", file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+def idle_latency(spec: RequestSpec, plan: RequestPlan, quality: QualityModel, step_time: StepTimeModel,
+                 tau: float, tp: int) -> float:
+    """Seconds to serve the request alone on an idle TP-`tp` instance at a constant τ (no noise)."""
+    from dilaserve_jax.serving.types import StepKind
+    from dilaserve_jax.sim.quality import Progress
+
+    canvas = len(spec.prompt_tokens) + spec.answer_length
+    prog = Progress()
+    total, refresh = 0.0, True
+    for _ in range(spec.answer_length + 1):
+        kind = StepKind.REFRESH if refresh else StepKind.REUSE
+        total += step_time.mean(kind, 1, canvas, spec.block_length, tp)
+        _, _, refresh, finished = advance(quality, plan, prog, tau)
+        if finished:
+            break
+    return total
+
+
+def assign_slos(specs: Sequence[RequestSpec], slo: tuple[str, tuple[float, ...]], *, quality: QualityModel,
+                step_time: StepTimeModel, tau: float, tp: int, seed: int) -> list[RequestSpec]:
+    """Each spec with its SLO (see workload.parse_slo): fixed, or uniform(LO, HI) × idle latency."""
+    kind, vals = slo
+    rng = np.random.default_rng([seed, 17])
+    out = []
+    for i, s in enumerate(specs):
+        if kind == "fixed":
+            out.append(replace(s, slo=vals[0]))
+            continue
+        plan = make_plan(quality, i + 1, s.task, s.answer_length, s.block_length, s.finish_tokens, s.prompt_tokens)
+        idle = idle_latency(s, plan, quality, step_time, tau, tp)
+        out.append(replace(s, slo=float(rng.uniform(*vals)) * idle))
+    return out

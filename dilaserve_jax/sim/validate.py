@@ -1,0 +1,376 @@
+"""`python -m dilaserve_jax.sim.validate`: the simulator against the real engine on the same requests.
+
+1. The real side, as `bench.policies` runs it: the tiny model on one instance (Engine + JaxRunner,
+   real clock, in-process), its step-latency profile measured on the workload's shapes, each pool
+   prompt's idle latency and the instance's capacity; then, per load level, one Poisson trace of
+   pool prompts with SLO = uniform(2, 6) × the prompt's idle latency, served by every policy.
+   Every step's duration and shapes and every engine iteration's wall time are recorded.
+2. The simulated side, fed only what the real run measured: its step times per shape (the median
+   of the run's own compiled calls of each kind, padded batch, length bucket and block; the
+   start-up profile where a shape never occurred; `--step-source profile` uses the start-up profile
+   alone), the spread of actual over modelled step times (resampled), the host time per step
+   outside the compiled calls, and the shipped eval rows (each pool prompt was among the eval's
+   problems, so it replays its own measured commit trajectory and validity). The same requests,
+   the same arrival times and SLOs, the same policies.
+3. Both side by side per policy and rate, against the targets (attainment within 5 points, mean
+   latency within 15%).
+
+This module imports JAX only inside `run` (the real side); `dilaserve_jax.sim` stays JAX-free.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dilaserve_jax.sim.report import summarize
+
+TARGET_POINTS = 5.0
+TARGET_LATENCY = 0.15
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dilaserve_jax.sim.validate",
+        description="Replay one Poisson trace through the real in-process engine (tiny model, one instance) at "
+                    "several loads and policies, then through the simulator fed that run's measured profile, step-time "
+                    "spread and host overhead and the shipped eval rows; print both side by side.")
+    p.add_argument("--load-factors", type=float, nargs="+", default=[0.5, 1.0, 1.6],
+                   help="request rates as multiples of the measured capacity (default 0.5 1.0 1.6)")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run (default 20)")
+    p.add_argument("--policies", nargs="+", default=None, help="policies (default all three)")
+    p.add_argument("--slots", type=int, default=8, help="slots of the instance (default 8)")
+    p.add_argument("--per-task", type=int, default=6, help="held-out problems per task in the pool (default 6)")
+    p.add_argument("--slo-range", type=float, nargs=2, default=[2.0, 6.0], metavar=("LO", "HI"),
+                   help="SLO = uniform(LO, HI) x the prompt's idle latency (default 2 6)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--max-accuracy-drop", type=float, default=1.0,
+                   help="dilaserve's accuracy budget in points, on both sides (serving's default 1; a negative value: "
+                        "unbounded)")
+    p.add_argument("--sim-seeds", type=int, default=3, help="simulator seeds per point, averaged (default 3)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="serve every real point this many times (the real server's own run-to-run spread; default 1)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write the measured profile (profile.json, usable as --profile of the simulator), the "
+                        "real run's measurements and the comparison (validate.json) here")
+    p.add_argument("--from", dest="from_file", default=None, metavar="FILE",
+                   help="skip the real side: re-simulate the real runs saved in FILE (measured.json of --out)")
+    p.add_argument("--step-source", default="run", choices=("run", "profile"),
+                   help="simulated step times: the run's own measured steps per shape, falling back to the start-up "
+                        "profile (run, default), or the start-up profile alone (profile)")
+    p.add_argument("--noise", default="timeline", choices=("timeline", "iid"),
+                   help="step-time noise: replay each run's measured slowdown over time (timeline, default: this "
+                        "machine is shared, and its contention comes in spells) or resample the pooled spread (iid)")
+    p.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    p.add_argument("--compile-cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dilaserve_jax", "xla"),
+                   help="persistent XLA compilation cache directory, or 'none'")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    return p
+
+
+# --- the real side -----------------------------------------------------------------------------
+def serve_measured(bench, policy: str, trace: list, progress: bool, desc: str, budget: float | None = 1.0
+                   ) -> tuple[list, dict]:
+    """`bench.policies.Bench.serve`, with every step and every engine iteration timed."""
+    from tqdm.auto import tqdm
+
+    from dilaserve_jax.serving.engine import Engine
+    from dilaserve_jax.serving.request import make_request
+    from dilaserve_jax.serving.scheduler import Scheduler, SchedulerConfig
+    cfg = bench.cfg
+    tcfg = bench.threshold_config(budget, "adaptive")  # the shipped eval rows: speed prior and accuracy budget
+    sched = Scheduler(SchedulerConfig(cfg.slots, policy=policy, static_tau=cfg.static_tau, max_queue=10_000,
+                                      threshold=tcfg), bench.latency)
+    engine = Engine(bench.runner, sched)
+    shapes: dict[str, tuple[int, int]] = {}
+    steps: list[tuple[int, list, float, float]] = []
+    engine.add_step_hook(lambda name, plan, outs, t0, t1: steps.append(
+        (int(plan.kind), [shapes[r] for r in plan.request_ids], t0, t1)))
+    handles, reqs = [], []
+    busy_wall = 0.0
+    bar = tqdm(total=len(trace), desc=desc, unit="req", file=sys.stderr, leave=False, disable=not progress)
+    t0 = engine.clock()
+    while len(reqs) < len(trace) or not all(h.done() for h in handles):
+        now = engine.clock()
+        while len(reqs) < len(trace) and now - t0 >= trace[len(reqs)][0]:
+            offset, i, slo = trace[len(reqs)]
+            it = bench.items[i]
+            r = make_request(f"q{len(reqs)}", it.tokens, it.answer, it.block, t0 + offset, slo,
+                             tau_min=cfg.tau_min, tau_max=cfg.tau_max)
+            shapes[r.id] = (len(it.tokens) + it.answer, it.block)
+            reqs.append(r)
+            handles.append(engine.submit(r))
+        w0 = engine.clock()
+        progressed = engine.step_once()
+        if progressed:
+            busy_wall += engine.clock() - w0
+        else:
+            time.sleep(0.0005)
+        bar.update(sum(h.done() for h in handles) - bar.n)
+    while engine.step_once():
+        pass
+    bar.close()
+    step_s = sum(t1 - t0_ for _, _, t0_, t1 in steps)
+    timing = {"steps": steps, "busy_wall_s": busy_wall, "step_s": step_s,
+              "overhead_per_step_s": (busy_wall - step_s) / max(1, len(steps))}
+    return reqs, timing
+
+
+def real_records(bench, reqs) -> list[dict]:
+    from dilaserve_jax.serving.request import RequestState
+    from dilaserve_jax.tasks.graders import grade
+
+    index = {it.tokens: it for it in bench.items}
+    out = []
+    for r in reqs:
+        ok = r.state == RequestState.FINISHED_OK
+        valid = bool(grade(index[r.prompt_tokens].problem, bench.model.tokenizer.decode(r.output_tokens or []))) \
+            if ok else None
+        out.append({"id": r.id, "task": index[r.prompt_tokens].problem.task, "arrival": r.arrival,
+                    "finish": r.finish_time, "state": r.state.name, "met": bool(r.deadline_met),
+                    "steps": len(r.steps), "tau_sum": sum(s.tau for s in r.steps),
+                    "committed": sum(s.n_committed for s in r.steps), "valid": valid, "moves": r.moves,
+                    "predicted_loss": float(r.predicted_loss)})
+    return out
+
+
+# --- the simulated side ------------------------------------------------------------------------
+def simulate(bench_info: dict, policy: str, trace: list, items: list, *, step_time, latency, prior, seeds: int,
+             eval_rows: list | None = None) -> list:
+    from dilaserve_jax.sim.setup import ASSETS
+    from dilaserve_jax.sim.quality import QualityModel
+    from dilaserve_jax.sim.simulator import SimConfig, Simulation
+    from dilaserve_jax.sim.workload import RequestSpec
+
+    rows = json.loads((ASSETS / "eval.json").read_text())
+    specs = [RequestSpec(offset, items[i]["task"], tuple(items[i]["tokens"]), items[i]["answer"], items[i]["block"],
+                         None, slo) for offset, i, slo in trace]
+    out = []
+    for seed in range(seeds):
+        quality = QualityModel.from_eval_rows(rows, seed=seed)
+        cfg = SimConfig(devices=1, policy=policy, layout="1x1", slots=bench_info["slots"],
+                        static_tau=bench_info["static_tau"], tau_min=bench_info["tau_range"][0],
+                        tau_max=bench_info["tau_range"][1], max_queue=10_000,
+                        max_accuracy_drop=bench_info.get("budget"), seed=seed)
+        res = Simulation(cfg, specs, step_time=step_time, latency=latency, quality=quality, prior=prior,
+                         param_bytes=0.0, eval_rows=eval_rows).run()
+        out.append(res)
+    return out
+
+
+def step_time_model(measured: dict, source: str = "run"):
+    """The simulator's step time from what the real run measured (see module doc).
+
+    source "run": the median duration of the run's own steps per shape (kind, padded batch, length
+    bucket, block), where a step was one compiled call; the start-up profile for shapes the run never
+    had. source "profile": the start-up profile alone. Either way the spread of actual over modelled
+    step times is resampled as noise, and the host time per step outside the compiled calls is added."""
+    from dilaserve_jax.serving.latency import LatencyModel, Profile
+    from dilaserve_jax.sim.executor import StepTimeModel, _bucket
+
+    prof = Profile.from_json(measured["profile"])
+    latency = LatencyModel.from_profile(prof)
+    table = {(int(p.kind), p.tp, p.batch, p.canvas, p.block): p.seconds for p in prof.points}
+    batch_b, length_b = tuple(measured["batch_buckets"]), tuple(measured["length_buckets"])
+    steps = [s for run in measured["runs"] for s in run["steps"]]
+    if source == "run":
+        seen: dict[tuple, list[float]] = {}
+        for kind, shapes, t0, t1 in steps:
+            groups = {(_bucket(c, length_b), k) for c, k in shapes}
+            if len(groups) == 1:
+                (l, k), = groups
+                seen.setdefault((int(kind), 1, _bucket(len(shapes), batch_b), l, k), []).append(t1 - t0)
+        table |= {key: float(np.median(v)) for key, v in seen.items()}
+    elif source != "profile":
+        raise ValueError(f"step-time source must be run or profile, got {source!r}")
+    base = StepTimeModel(latency, table, batch_b, length_b)
+    rng = np.random.default_rng(0)
+    ratios = [(t1 - t0) / pred for kind, shapes, t0, t1 in steps
+              if (pred := base.batch_seconds(kind, shapes, 1, rng)) > 0]
+    busy = sum(run["busy_wall_s"] for run in measured["runs"])
+    step_s = sum(t1 - t0 for _, _, t0, t1 in steps)
+    overhead = max(0.0, (busy - step_s) / max(1, len(steps)))
+    model = StepTimeModel(latency, table, batch_b, length_b, tuple(float(r) for r in ratios) or 0.0, overhead)
+    return model, latency, {"source": source, "ratio_median": float(np.median(ratios)) if ratios else math.nan,
+                            "ratio_mean": float(np.mean(ratios)) if ratios else math.nan,
+                            "ratio_p10": float(np.percentile(ratios, 10)) if ratios else math.nan,
+                            "ratio_p90": float(np.percentile(ratios, 90)) if ratios else math.nan,
+                            "overhead_per_step_ms": 1e3 * overhead, "steps": len(steps)}
+
+
+def _mean_rows(results, duration: float) -> dict:
+    rows = [summarize(r.records, duration=duration) for r in results]
+    keys = ("slo_attainment", "mean_latency", "p99_latency", "accuracy", "mean_tau", "rejected", "requests")
+    return {k: float(np.mean([r[k] for r in rows])) for k in keys} | {"seeds": len(rows)}
+
+
+def compare(real: dict, sim: dict) -> dict:
+    d_att = 100 * (sim["slo_attainment"] - real["slo_attainment"])
+    d_lat = sim["mean_latency"] / real["mean_latency"] - 1 if real["mean_latency"] > 0 else math.nan
+    return {"d_attainment_points": d_att, "d_latency": d_lat,
+            "within": abs(d_att) <= TARGET_POINTS and abs(d_lat) <= TARGET_LATENCY}
+
+
+def real_repeatability(rows: list[dict]) -> dict:
+    """(policy, rate) -> the second real pass against the first: (attainment points, relative mean latency)."""
+    out = {}
+    for r in rows:
+        if r.get("repeat", 0) == 1:
+            first = next((x for x in rows if x["policy"] == r["policy"] and x["rate"] == r["rate"]
+                          and x.get("repeat", 0) == 0), None)
+            if first is not None:
+                out[(r["policy"], r["rate"])] = compare(first["real"], r["real"])["d_attainment_points"], \
+                    compare(first["real"], r["real"])["d_latency"]
+    return out
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = (f"{'policy':<12}{'req/s':>7}{'load':>6}{'pass':>5}{'n':>5} | {'SLO% real':>9}{'sim':>7}{'Δpts':>7} | "
+            f"{'mean s real':>11}{'sim':>7}{'Δ':>7} | {'acc% real':>9}{'sim':>6} | {'τ real':>6}{'sim':>6} | ok")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        a, s, c = r["real"], r["sim"], r["compare"]
+        lines.append(f"{r['policy']:<12}{r['rate']:>7.2f}{r['load']:>6.2f}{r.get('repeat', 0) + 1:>5}{a['requests']:>5.0f} | "
+                     f"{100 * a['slo_attainment']:>9.1f}{100 * s['slo_attainment']:>7.1f}{c['d_attainment_points']:>+7.1f} | "
+                     f"{a['mean_latency']:>11.3f}{s['mean_latency']:>7.3f}{100 * c['d_latency']:>+6.0f}% | "
+                     f"{100 * a['accuracy']:>9.1f}{100 * s['accuracy']:>6.1f} | {a['mean_tau']:>6.3f}{s['mean_tau']:>6.3f} | "
+                     f"{'yes' if c['within'] else 'no'}")
+    return "\n".join(lines)
+
+
+def measure_real(args, say) -> dict:
+    """The real side (JAX): everything the simulated side is fed, as plain JSON."""
+    from dilaserve_jax.bench.policies import Bench, BenchConfig
+    from dilaserve_jax.serving.scheduler import POLICIES
+    from dilaserve_jax.decoding.compiled import enable_compile_cache
+
+    enable_compile_cache(args.compile_cache)
+    policies = tuple(args.policies or POLICIES)
+    cfg = BenchConfig(model="tiny", load_factors=tuple(args.load_factors), duration=args.duration,
+                      slo_range=tuple(args.slo_range), slots=args.slots, per_task=args.per_task, seed=args.seed)
+    progress = not args.no_progress
+    t_start = time.perf_counter()
+    bench = Bench(cfg, say, progress)
+    bench.build()
+    idle, cap = bench.capacity()
+    say(f"capacity at τ={cfg.static_tau}: {cap:.2f} req/s; idle latency mean {1e3 * np.mean(idle):.0f} ms")
+    budget = None if args.max_accuracy_drop < 0 else args.max_accuracy_drop
+    info = {"budget": budget, "slots": cfg.slots, "static_tau": cfg.static_tau, "tau_range": [cfg.tau_min, cfg.tau_max],
+            "capacity_rps": cap, "duration": cfg.duration, "slo_range": list(cfg.slo_range),
+            "profile_label": bench.profile.label, "fit": str(bench.latency.report)}
+    items = [{"task": it.problem.task, "tokens": list(it.tokens), "answer": it.answer, "block": it.block}
+             for it in bench.items]
+    runs = []
+    for rep in range(args.repeats):  # the same traces again: how much the real server varies by itself
+        for k, factor in enumerate(cfg.load_factors):
+            rate = round(factor * cap, 2)
+            trace = bench.trace(rate, idle, k)
+            shift = (k + rep) % len(policies)
+            for p in policies[shift:] + policies[:shift]:
+                reqs, tm = serve_measured(bench, p, trace, progress, f"real {p} @ {rate:g}/s", budget)
+                runs.append({"policy": p, "rate": rate, "load": factor, "repeat": rep, "trace": trace,
+                             "records": real_records(bench, reqs), "steps": tm["steps"],
+                             "busy_wall_s": tm["busy_wall_s"], "overhead_ms": 1e3 * tm["overhead_per_step_s"]})
+                say(f"real {p} @ {rate:g} req/s (pass {rep + 1}): "
+                    f"{summarize(runs[-1]['records'], duration=cfg.duration)['slo_attainment']:.1%} attainment")
+    return {"info": info | {"real_wall_s": time.perf_counter() - t_start}, "items": items, "runs": runs,
+            "profile": bench.profile.to_json(),
+            "prior": {str(t): v for t, v in bench.threshold_config(budget, "adaptive").prior},
+            "eval_rows": bench.rows,
+            "batch_buckets": list(bench.runner.decoder.config.batch_buckets),
+            "length_buckets": sorted(set(bench.lengths.values()))}
+
+
+def contention_timeline(run_: dict, step_time) -> tuple[tuple[float, float], ...]:
+    """The run's measured slowdown over time: each real step's duration over its modelled one, at the
+    step's start (seconds from the run's start)."""
+    start = run_["records"][0]["arrival"] - run_["trace"][0][0]  # the first arrival is start + its offset
+    rng = np.random.default_rng(0)
+    base = dataclasses.replace(step_time, noise=0.0, overhead_s=0.0, timeline=())
+    out = [(t0 - start, (t1 - t0) / pred) for kind, shapes, t0, t1 in run_["steps"]
+           if (pred := base.batch_seconds(kind, shapes, 1, rng)) > 0]
+    return tuple(sorted(out))
+
+
+def compare_with_sim(measured: dict, seeds: int, source: str = "run", noise: str = "timeline") -> dict:
+    """The simulated side, fed only `measured`, side by side with the real runs. noise "timeline": each
+    run's own measured slowdown over time is replayed; "iid": the pooled spread is resampled."""
+    info, duration = measured["info"], measured["info"]["duration"]
+    step_time, latency, spread = step_time_model(measured, source)
+    spread["noise"] = noise
+    prior = {float(t): v for t, v in measured["prior"].items()} or None
+    rows = []
+    t_sim = time.perf_counter()
+    for run_ in measured["runs"]:
+        real = summarize(run_["records"], duration=duration)
+        st = step_time
+        if noise == "timeline":
+            st = dataclasses.replace(step_time, timeline=contention_timeline(run_, step_time))
+        elif noise != "iid":
+            raise ValueError(f"noise must be timeline or iid, got {noise!r}")
+        sims = simulate(info, run_["policy"], run_["trace"], measured["items"], step_time=st, latency=latency,
+                        prior=prior, seeds=seeds, eval_rows=measured.get("eval_rows"))
+        sim = _mean_rows(sims, duration)
+        rows.append({"policy": run_["policy"], "rate": run_["rate"], "load": run_["load"],
+                     "repeat": run_.get("repeat", 0), "real": real, "sim": sim, "compare": compare(real, sim)})
+    rows.sort(key=lambda r: (r["rate"], r["policy"], r["repeat"]))
+    return {"info": info | {"step_time": spread, "sim_wall_s": time.perf_counter() - t_sim}, "rows": rows}
+
+
+def run(args, say) -> dict:
+    if args.from_file:
+        measured = json.loads(Path(args.from_file).read_text())
+        say(f"real runs from {args.from_file} ({len(measured['runs'])} runs)")
+    else:
+        measured = measure_real(args, say)
+        if args.out:
+            d = Path(args.out)
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "measured.json").write_text(json.dumps(measured, default=float))
+            from dilaserve_jax.serving.latency import Profile
+
+            Profile.from_json(measured["profile"]).save(d / "profile.json")
+            say(f"wrote {d / 'measured.json'} (re-simulate with --from) and {d / 'profile.json'}")
+    out = compare_with_sim(measured, args.sim_seeds, args.step_source, args.noise)
+    sp = out["info"]["step_time"]
+    say(f"step time ({sp['source']}): actual/modelled median {sp['ratio_median']:.3f}, mean {sp['ratio_mean']:.3f} "
+        f"(p10 {sp['ratio_p10']:.3f}, p90 {sp['ratio_p90']:.3f}) over {sp['steps']} steps; host time per step "
+        f"{sp['overhead_per_step_ms']:.2f} ms")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / f"validate_{args.step_source}_{args.noise}.json").write_text(json.dumps(out, indent=1, default=float))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        out = run(args, say)
+    except (ValueError, FileNotFoundError) as err:
+        say(f"error: {err}")
+        return 2
+    if args.json:
+        print(json.dumps(out, indent=1, default=float))
+    else:
+        print(format_rows(out["rows"]))
+        spread = real_repeatability(out["rows"])
+        if spread:
+            print("the real server against itself (same trace, another pass): " + "; ".join(
+                f"{p} @ {rate:g}: {d_att:+.1f} pts, {100 * d_lat:+.0f}%" for (p, rate), (d_att, d_lat) in spread.items()))
+        ok = sum(r["compare"]["within"] for r in out["rows"])
+        print(f"{ok}/{len(out['rows'])} points within the targets (attainment ±{TARGET_POINTS:g} points, mean latency "
+              f"±{100 * TARGET_LATENCY:.0f}%); real side {out['info']['real_wall_s']:.0f} s, simulator "
+              f"{out['info']['sim_wall_s']:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
