@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=256, help="calls in flight at most (default 256)")
     p.add_argument("--drain-s", type=float, default=120.0,
                    help="seconds to wait for calls after the last arrival; the rest are cancelled (default 120)")
+    p.add_argument("--wait-ready-s", type=float, default=600.0,
+                   help="wait up to this long for the server's health check to say SERVING before sending "
+                        "(a server warms up before it serves; 0 = do not wait; default 600)")
     p.add_argument("--auth-token", default=None, help="bearer token (or DILASERVE_AUTH_TOKEN)")
     p.add_argument("--records", default=None, metavar="FILE", help="write one JSON line per request to FILE")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -137,6 +140,9 @@ def run(args, say) -> tuple[dict, list[dict]]:
 
     client = DiLaServeClient(args.target, auth_token=args.auth_token or os.environ.get("DILASERVE_AUTH_TOKEN"),
                              retries=False)
+    if args.wait_ready_s > 0:
+        say(f"waiting for {args.target} to serve (health check, up to {args.wait_ready_s:g} s)")
+        say(f"{args.target} serving after {client.wait_ready(args.wait_ready_s):.1f} s")
     kind, vals = parse_slo(args.slo)
     if kind == "fixed":
         specs = [replace(s, slo=vals[0]) for s in specs]
@@ -231,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     try:
         row, records = run(args, say)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, TimeoutError) as err:
         say(f"error: {err}")
         return 2
     if args.records:

@@ -7,6 +7,7 @@ config; retries never outlive the call's deadline.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -90,6 +91,27 @@ class DiLaServeClient:
         """Pause ("paused") or resume ("auto") the cluster controller (admin)."""
         return self.stub.SetControllerMode(pb.ControllerModeRequest(mode=mode), timeout=timeout,
                                            metadata=self._admin_metadata)
+
+    def wait_ready(self, timeout_s: float = 600.0, poll_s: float = 1.0) -> float:
+        """Block until the server's standard health check says SERVING (it says NOT_SERVING while
+        warming up or draining); returns the seconds waited. TimeoutError after `timeout_s`."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        t0 = time.monotonic()
+        last = "no answer"
+        while True:
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=max(poll_s, 1.0),
+                                    metadata=self._metadata).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return time.monotonic() - t0
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+            except grpc.RpcError as err:
+                last = err.code().name
+            if time.monotonic() - t0 >= timeout_s:
+                raise TimeoutError(f"server not SERVING after {timeout_s:g} s (last: {last})")
+            time.sleep(poll_s)
 
     def close(self) -> None:
         self.channel.close()

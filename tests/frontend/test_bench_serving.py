@@ -27,3 +27,14 @@ def test_load_generator_refuses_bad_input(fake_server, capsys):
     assert serving.main(["--target", fake_server.target, "--trace", "poisson:0", "--duration", "1"]) == 2
     assert "positive rate" in capsys.readouterr().err
     assert serving.main(["--target", fake_server.target, "--trace", "/nonexistent.csv"]) == 2
+
+
+def test_load_generator_waits_for_a_serving_health_check(fake_server, capsys):
+    from dilaserve_jax.frontend.client import DiLaServeClient
+
+    with DiLaServeClient(fake_server.target) as client:
+        assert client.wait_ready(timeout_s=30) < 30
+    # nothing listens on port 1: the wait gives up with the last status, and the command says so
+    assert serving.main(["--target", "127.0.0.1:1", "--trace", "poisson:5", "--duration", "1",
+                         "--wait-ready-s", "1.5", "--no-progress"]) == 2
+    assert "not SERVING after 1.5 s (last: UNAVAILABLE)" in capsys.readouterr().err
