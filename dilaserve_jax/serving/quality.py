@@ -49,7 +49,8 @@ BUDGET_MODES = ("adaptive", "floor")
 Curve = tuple[tuple[float, float], ...]  # (τ, accuracy in [0, 1]), ascending τ
 
 
-def _interp(x: float, pts: Curve) -> float:
+def interpolate(x: float, pts: Sequence[tuple[float, float]]) -> float:
+    """Piecewise-linear through (x, y) points in ascending x, flat beyond the ends."""
     if x <= pts[0][0]:
         return pts[0][1]
     for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
@@ -63,8 +64,8 @@ def curve_loss(curve: Curve, tau: float, ref: float) -> float:
     if tau >= ref:
         return 0.0
     inside = [a for t, a in curve if tau < t < ref]
-    worst = min([_interp(tau, curve), *inside])
-    return max(0.0, 100.0 * (_interp(ref, curve) - worst))
+    worst = min([interpolate(tau, curve), *inside])
+    return max(0.0, 100.0 * (interpolate(ref, curve) - worst))
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +113,7 @@ class AccuracyModel:
         return cls(pooled, tuple(profiles))
 
     def accuracy(self, tau: float) -> float:
-        return _interp(tau, self.pooled)
+        return interpolate(tau, self.pooled)
 
     def loss(self, tau: float, ref: float) -> float:
         """Pooled expected loss in points at τ relative to τ_ref."""

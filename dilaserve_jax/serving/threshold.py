@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
-from dilaserve_jax.serving.quality import QualityBudget, QualityConfig, QualitySnapshot
+from dilaserve_jax.serving.quality import QualityBudget, QualityConfig, QualitySnapshot, interpolate
 from dilaserve_jax.serving.request import Request
 from dilaserve_jax.serving.types import StepKind
 
@@ -169,7 +169,7 @@ class TokensPerStep:
     def __init__(self, cfg: ThresholdConfig) -> None:
         self.cfg = cfg
         pts = sorted(cfg.prior)  # ascending τ
-        self._rates = [_interp(t, pts) for t in cfg.grid]
+        self._rates = [interpolate(t, pts) for t in cfg.grid]
         self.counts = [0] * len(cfg.grid)
         self._mono: list[tuple[float, float]] | None = None  # monotone envelope, ascending τ (cached)
         self._memo: dict[float, float] = {}  # τ -> rate until the next observation (plans ask many times)
@@ -194,20 +194,11 @@ class TokensPerStep:
                     best = max(best, r)
                     mono.append(best)
                 self._mono = sorted(zip(self.cfg.grid, mono))
-            out = self._memo[tau] = max(1.0, _interp(tau, self._mono))
+            out = self._memo[tau] = max(1.0, interpolate(tau, self._mono))
         return out
 
     def snapshot(self) -> dict[float, float]:
         return {t: round(self.rate(t), 4) for t in self.cfg.grid}
-
-
-def _interp(x: float, pts: Sequence[tuple[float, float]]) -> float:
-    if x <= pts[0][0]:
-        return pts[0][1]
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-        if x <= x1:
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return pts[-1][1]
 
 
 @dataclass(frozen=True, slots=True)
