@@ -122,6 +122,10 @@ def test_cancelled_stream_frees_its_slot():
         with server.client() as c:
             call = c.generate_stream("cancel me", max_new_tokens=64, block_length=16, slo_ms=60000)
             next(call)  # one step done: the request holds the only slot
+            # the state is the snapshot the engine publishes after the iteration that streamed the update
+            deadline = time.time() + 10.0
+            while server.cluster.state()["instances"][0]["running"] != 1 and time.time() < deadline:
+                time.sleep(0.02)
             assert server.cluster.state()["instances"][0]["running"] == 1
             call.cancel()
             assert _wait_idle(server.cluster)
