@@ -1,6 +1,7 @@
 """The front door over the real tiny model: in-process cluster, and `serve` as a subprocess."""
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -128,16 +129,24 @@ def test_serve_command_starts_answers_and_stops_on_sigterm(tmp_path):
          "--slots", "2", "--compile-cache", str(tmp_path / "xla")],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     lines, port = [], None
+    # read the log on a thread, so the deadline holds even when the server prints nothing more
+    pending: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [pending.put(x) for x in iter(proc.stderr.readline, "")] + [pending.put("")],
+                     daemon=True).start()
     try:
         deadline = time.time() + 480
         while time.time() < deadline:
-            line = proc.stderr.readline()
+            try:
+                line = pending.get(timeout=max(0.1, deadline - time.time()))
+            except queue.Empty:
+                break
             if not line:
                 break
             lines.append(line)
             if m := re.search(r"listening on grpc://127\.0\.0\.1:(\d+)", line):
                 port = int(m.group(1))
-            if line.startswith("ready:"):
+            # a progress bar that clears itself leaves a carriage return in front of the next line
+            if line.split("\r")[-1].startswith("ready:"):
                 break
         log = "".join(lines)
         assert port and "ready:" in log, log[-3000:]
@@ -158,7 +167,10 @@ def test_serve_command_starts_answers_and_stops_on_sigterm(tmp_path):
         assert reply["steps"] == expected.steps and reply["mean_tau"] == 1.0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-        assert "draining" in proc.stderr.read()
+        rest = []
+        while (x := pending.get(timeout=10)) != "":
+            rest.append(x)
+        assert "draining" in "".join(rest)
     finally:
         if proc.poll() is None:
             proc.kill()
