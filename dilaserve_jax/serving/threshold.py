@@ -363,8 +363,10 @@ class ThresholdController:
             d = self._durations[key] = self.remaining_time(req, tau, batch, step_time, others)
         return d
 
-    def _solve(self, active, fracs, excluded: set[str], now: float, num_slots: int, free: int,
-               step_time: StepTime) -> tuple[float, dict[str, Decision]]:
+    def _plan_candidates(self, active, fracs, excluded: set[str], num_slots: int, step_time: StepTime,
+                         allowed: Callable[[Request], list[float]]) -> list[_Cand]:
+        """Each request's allowed τ with its remaining time at each, in planning order (running first,
+        then by deadline)."""
         n = len(active) - len(excluded)
         batch = max(1, min(n, num_slots))
         per_slot = (batch - 1) / max(1, n - 1) if n > 1 else 0.0
@@ -373,10 +375,15 @@ class ThresholdController:
         for req, is_running in active:
             own = 0.0 if req.id in excluded else fracs[req.id]
             others = (total - own) * per_slot  # only `batch` of them run concurrently
-            taus = self._allowed(req)
+            taus = allowed(req)
             durs = [self._duration(req, t, batch, step_time, others) for t in taus]
             cands.append(_Cand(req, taus, durs, is_running))
         cands.sort(key=lambda c: (not c.running, c.req.id in excluded, c.req.deadline, c.req.arrival))
+        return cands
+
+    def _solve(self, active, fracs, excluded: set[str], now: float, num_slots: int, free: int,
+               step_time: StepTime) -> tuple[float, dict[str, Decision]]:
+        cands = self._plan_candidates(active, fracs, excluded, num_slots, step_time, self._allowed)
         caps = sorted({t for t in self.cfg.grid} | {1.0}, reverse=True)
         # the highest cap that (a) misses no request the floor cap would meet — a higher cap that
         # merely misses as *many*, but earlier-deadline ones, is not acceptable — and (b) lets every

@@ -28,17 +28,7 @@ class NoLoadControl(ThresholdController):
     """Load control off: the system-wide τ cap is pinned at 1.0."""
 
     def _solve(self, active, fracs, excluded, now, num_slots, free, step_time):
-        n = len(active) - len(excluded)
-        batch = max(1, min(n, num_slots))
-        per_slot = (batch - 1) / max(1, n - 1) if n > 1 else 0.0
-        total = sum(f for rid, f in fracs.items() if rid not in excluded)
-        cands = []
-        for req, is_running in active:
-            own = 0.0 if req.id in excluded else fracs[req.id]
-            taus = self.candidates(req)
-            durs = [self.remaining_time(req, t, batch, step_time, (total - own) * per_slot) for t in taus]
-            cands.append(_cand(req, taus, durs, is_running))
-        cands.sort(key=lambda c: (not c.running, c.req.id in excluded, c.req.deadline, c.req.arrival))
+        cands = self._plan_candidates(active, fracs, excluded, num_slots, step_time, self.candidates)
         return 1.0, self._pass(cands, now, free, 1.0)
 
 
@@ -50,12 +40,6 @@ class UniformTau(ThresholdController):
         reqs = {r.id: r for r, _ in active}
         return cap, {rid: replace(d, tau=min(reqs[rid].tau_max, max(reqs[rid].tau_min, cap)))
                      for rid, d in best.items()}
-
-
-def _cand(req, taus, durs, running):
-    from dilaserve_jax.serving.threshold import _Cand
-
-    return _Cand(req, taus, durs, running)
 
 
 def threshold_controller_class(ablate: frozenset[str]) -> type[ThresholdController]:
