@@ -71,9 +71,9 @@ def test_pure_modules_import_without_jax():
         except ImportError:
             pass
         import dilaserve_jax.serving
-        for m in ('request', 'latency', 'threshold', 'quality', 'scheduler', 'types', 'roofline', 'fake_runner', 'engine',
-                  'engine_types', 'timeline', 'router', 'cluster', 'limits', 'capacity', 'controller', 'autoscale',
-                  'reshape'):
+        for m in ('request', 'latency', 'threshold', 'quality', 'scheduler', 'types', 'roofline',
+                  'fake_runner', 'engine', 'engine_types', 'timeline', 'eval_rows', 'router', 'cluster',
+                  'limits', 'capacity', 'controller', 'autoscale', 'reshape'):
             importlib = __import__('importlib')
             importlib.import_module('dilaserve_jax.serving.' + m)
         bad = [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')]
