@@ -53,9 +53,12 @@ def _executable(decoder: SlotDecoder, refresh: bool, slots: list[int]):
 
 
 def _arguments(decoder: SlotDecoder, shape, slots: list[int], taus: list[float]):
-    pad = shape.batch - len(slots)
-    return (put_small(slots + [decoder.num_slots] * pad, np.int32, decoder._small),
-            put_small(taus + [1.0] * pad, np.float32, decoder._small))
+    if hasattr(decoder, "step_arguments"):
+        index, tau, _ = decoder.step_arguments(shape, slots, taus)
+    else:  # a source tree from before step_arguments (timed side by side): slots in order, then padding
+        pad = shape.batch - len(slots)
+        index, tau = slots + [decoder.num_slots] * pad, taus + [1.0] * pad
+    return put_small(index, np.int32, decoder._small), put_small(tau, np.float32, decoder._small)
 
 
 def time_step_parts(decoder: SlotDecoder, refresh: bool, slots: list[int], repeats: int = 5) -> dict:

@@ -20,6 +20,7 @@ from dilaserve_jax.decoding.buckets import (CacheMode, StepShape, StepType, buck
 from dilaserve_jax.decoding.compiled import ADMIT, CompiledSteps, leaf_placement, put_small, replicated_on
 from dilaserve_jax.decoding.shift import dual_queries
 from dilaserve_jax.decoding.state import DecodeState, init_state, slots_for_budget
+from dilaserve_jax.decoding.steps import runs_in_place
 from dilaserve_jax.models.config import ModelConfig
 
 
@@ -284,16 +285,28 @@ class SlotDecoder:
                       for s in slots) + shift  # block + suffix, and the row before the block when shifted
         return StepShape(StepType.PREFIX, batch, length, block, bucket_for(queries, prefix_query_buckets(length, block)))
 
-    def _run(self, shape: StepShape, slots: list[int], taus: list[float]) -> list[SlotStep]:
+    def step_arguments(self, shape: StepShape, slots: list[int], taus: list[float]) -> tuple:
+        """(slot indices [B], τ [B], batch row of each of `slots`) for a step of `shape`: the slots in
+        order then padding (index S, τ 1) — or, for a step that runs on the state where it lies
+        (decoding/steps.py `runs_in_place`), row r = slot r, index S where slot r is not stepped."""
+        n = self.num_slots
+        if runs_in_place(shape, n, self.config.max_length):
+            index, tau = np.full(n, n, np.int32), np.ones(n, np.float32)
+            index[slots], tau[slots] = slots, taus
+            return index, tau, list(slots)
         pad = shape.batch - len(slots)
+        return (np.asarray(slots + [n] * pad, np.int32), np.asarray(taus + [1.0] * pad, np.float32),
+                list(range(len(slots))))
+
+    def _run(self, shape: StepShape, slots: list[int], taus: list[float]) -> list[SlotStep]:
         exe = self.compiled.get(shape, self.params, self.state, self._placement)
+        index, tau, rows = self.step_arguments(shape, slots, taus)
         # Host arrays go to the executable as they are: its own argument transfer (to the input
         # sharding it was compiled for) costs a fraction of a separate device_put per argument.
-        self.state, out = exe(self.params, self.state, np.asarray(slots + [self.num_slots] * pad, np.int32),
-                              np.asarray(taus + [1.0] * pad, np.float32))
+        self.state, out = exe(self.params, self.state, index, tau)
         out = jax.device_get(out)
         results = []
-        for row, slot in enumerate(slots):
+        for row, slot in zip(rows, slots):
             info = self._slots[slot]
             n = int(out.n_committed[row])
             pos, tok = out.positions[row, :n], out.tokens[row, :n]

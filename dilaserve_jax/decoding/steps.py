@@ -5,20 +5,32 @@ runs one model forward (full canvas, or the current block / block + suffix again
 turns the commit window's hidden rows into proposals (decoding/proposal.py), commits by the
 threshold rule, and writes back what the step changed.
 
-What a step writes into the (donated) state, so that its cost follows the work and not the canvas:
-- every step: the commit window of each slot's canvas row, and its block start, τ and step count;
-- a refresh: the K/V of positions [0, length bucket) of each slot (it computed all of them);
-- a reuse step: no K/V at all. It recomputes every position whose cached K/V is stale (the
-  block, with shifted logits also the row before it; in prefix mode also everything after it) and
-  attends to those fresh values, so what it computes is never read later: the slot's next step is
-  another reuse, which recomputes the same positions, or a refresh. The cache thus always holds the
-  last refresh's K/V. A slot whose cache is not its own (just admitted or resumed, its block just
-  finished, weights reloaded) must refresh before it reuses (SlotDecoder.step enforces it).
+Which rows a step reads. A step over fewer rows than the state has slots, or over a shorter
+canvas, gathers its slots' rows (canvas, scalars and, for a reuse step, K/V) out of the
+slot-major state. A step whose batch bucket is every slot and whose canvas is the state's whole
+length runs on the state where it lies: batch row r is slot r, and `slots[r]` is r for a slot in
+the step and S for one that is not. That gather would copy the whole K/V cache every reuse step,
+which at large batch no longer fits the CPU caches and cost a fifth of the step (docs/decoding.md).
 
-Padding: batch rows beyond the real slots carry slot index S (one past the last slot). Reads clamp
-it to a real slot (its results are computed and discarded) and every write uses mode="drop", so a
-padded row can never change the state. Padded query rows use position `shape.length`, which the
-model drops from its cache overlay.
+What a step writes into the (donated) state, so that its cost follows the work and not the canvas:
+- every step: the commit window of each stepped slot's canvas row, and its block start, τ and
+  step count;
+- a refresh: the K/V of positions [0, length bucket) of each stepped slot (it computed all of them);
+- a reuse step recomputes every position whose cached K/V is stale (the block, with shifted logits
+  also the row before it; in prefix mode also everything after it) and attends to those fresh
+  values. Nothing it computes is ever read later: the slot's next step is another reuse, which
+  recomputes the same positions, or a refresh. So a gathered reuse step writes no K/V, and a
+  whole-state one leaves its fresh K/V where the model wrote them, in place, for every row —
+  stepped or not (a row not stepped recomputes its own positions from its own canvas: the same
+  harmless write). Outside those positions the cache always holds the last refresh's K/V. A slot
+  whose cache is not its own (just admitted or resumed, its block just finished, weights
+  reloaded) must refresh before it reuses (SlotDecoder.step enforces it).
+
+Padding: batch rows beyond the real slots (and, on the whole state, rows of slots not stepped)
+carry slot index S (one past the last slot). Gathered reads clamp it to a real slot (its results
+are computed and discarded) and every write but the in-place reuse K/V uses mode="drop", so such a
+row never changes the canvas, scalars or refresh K/V. Padded query rows use position
+`shape.length`, which the model drops from its cache overlay.
 
 Every stage runs under a jax.named_scope (state_gather, layers, lm_head, proposal, commit,
 state_write) so profiles of the compiled step can be split by stage (bench/step_profile.py).
@@ -53,6 +65,12 @@ class StepOutput(NamedTuple):
     confidence_counts: jax.Array  # [B, CONFIDENCE_BINS] int32 the block's masked positions per confidence bin
 
 
+def runs_in_place(shape: StepShape, num_slots: int, state_length: int) -> bool:
+    """Whether a step of `shape` runs on the state where it lies (batch row r = slot r) instead of
+    on its slots' gathered rows: when its batch is every slot and its canvas the whole length."""
+    return shape.batch == num_slots and shape.length == state_length
+
+
 def _take_rows(x, slots):
     return jnp.take(x, slots, axis=0, mode="clip")
 
@@ -66,14 +84,15 @@ def decode_step(graphdef, params, state: DecodeState, slots, taus, *, shape: Ste
     """One step of `shape.step` over slots [B] (padding rows = state.num_slots) with thresholds taus [B]."""
     length, block, n_q = shape.length, shape.block, shape.queries
     full_canvas = shape.step in (StepType.FULL, StepType.REFRESH)
+    whole = runs_in_place(shape, state.num_slots, state.length)
     with jax.named_scope("state_gather"):
-        canvas = _take_rows(state.canvas, slots)[:, :length]  # [B, length]
-        prompt_len, answer_len = _take_rows(state.prompt_len, slots), _take_rows(state.answer_len, slots)
-        block_start, block_len = _take_rows(state.block_start, slots), _take_rows(state.block_len, slots)
-        temperature = _take_rows(state.temperature, slots)
-        keys = _sampling_keys(_take_rows(state.seed, slots), _take_rows(state.steps, slots))
-        cache = None if full_canvas else [LayerKV(_take_rows(kv.k, slots)[:, :length],
-                                                  _take_rows(kv.v, slots)[:, :length]) for kv in state.kv]
+        rows = (lambda x: x) if whole else (lambda x: _take_rows(x, slots))  # noqa: E731
+        canvas = rows(state.canvas)[:, :length]  # [B, length]
+        prompt_len, answer_len = rows(state.prompt_len), rows(state.answer_len)
+        block_start, block_len = rows(state.block_start), rows(state.block_len)
+        temperature = rows(state.temperature)
+        keys = _sampling_keys(rows(state.seed), rows(state.steps))
+        cache = None if full_canvas else [LayerKV(rows(kv.k)[:, :length], rows(kv.v)[:, :length]) for kv in state.kv]
     valid_len = prompt_len + answer_len
     block_end = jnp.minimum(block_start + block_len, valid_len)
     window = block_start[:, None] + jnp.arange(block)[None, :]  # [B, block] commit window
@@ -93,7 +112,7 @@ def decode_step(graphdef, params, state: DecodeState, slots, taus, *, shape: Ste
             q_pos = query_start[:, None] + jnp.arange(n_q)[None, :]
             positions = jnp.where(q_pos < query_end[:, None], q_pos, length).astype(jnp.int32)
             q_tokens = jnp.take_along_axis(canvas, jnp.minimum(positions, length - 1), axis=1)
-            hidden, fresh_kv = forward_hidden(graphdef, params, q_tokens, positions, cache, valid_len)
+            hidden, attended_kv = forward_hidden(graphdef, params, q_tokens, positions, cache, valid_len)
     proposals, confidence = block_proposals(graphdef, params, hidden, window, query_start, shift=shift,
                                             mask_id=cfg.mask_id, temperature=temperature, keys=keys)
 
@@ -118,6 +137,8 @@ def decode_step(graphdef, params, state: DecodeState, slots, taus, *, shape: Ste
         state_at = jnp.where(in_block, window, state.canvas.shape[1])
         new_canvas = state.canvas.at[slots[:, None], state_at].set(new_block_tokens, mode="drop")
         new_kv = state.kv
+        if whole and not full_canvas:  # the model wrote this step's K/V into the state itself
+            new_kv = tuple(attended_kv)
         if shape.step is StepType.REFRESH:  # positions [0, length) of each row, one window per slot
             new_kv = tuple(LayerKV(old.k.at[slots, :length].set(fresh.k.astype(old.k.dtype), mode="drop"),
                                    old.v.at[slots, :length].set(fresh.v.astype(old.v.dtype), mode="drop"))

@@ -5,7 +5,7 @@ attention. Dream's differences are ModelConfig flags: q/k/v biases (`qkv_bias`) 
 order (`norm_weight_after_cast`); its shifted logits are the samplers' business (`logits_shift`),
 as in Dream's own code, so the forward pass is the same for both. The forward pass is shaped for cached decoding: it takes query tokens and
 their absolute positions, optionally a K/V cache covering the whole canvas, and returns logits for
-the queries plus the (post-RoPE) K/V it computed for them.
+the queries plus the (post-RoPE) K/V they attended to.
 """
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ class Block(nnx.Module):
         x = x + self.attn_out(attn.reshape(b, q_len, cfg.n_heads * cfg.head_dim))
         h = self.ff_norm(x)
         x = x + self.ff_out(jax.nn.silu(self.ff_proj(h)) * self.up_proj(h))
-        return x, LayerKV(k, v)
+        return x, LayerKV(keys, values)
 
 
 class LLaDAModel(nnx.Module):
@@ -132,12 +132,15 @@ class LLaDAModel(nnx.Module):
         """Forward pass for query tokens [B, Q] at absolute positions [B, Q].
 
         kv_cache: per layer, K/V [B, L, KVH, D] of the whole canvas; the queries' fresh K/V are
-        written over it at their positions before attending. Without a cache the queries attend
-        to each other only, so they must be the whole canvas in position order.
+        written over it at their positions before attending (padding queries at positions >= L
+        are dropped). Without a cache the queries attend to each other only, so they must be the
+        whole canvas in position order.
         valid_len: [B] keys at positions >= valid_len are ignored (defaults to all keys).
         logits_at: optional [B, O] query indices whose logits to return (a decoding step only needs
         the current block's; skipping the rest saves the LM head's cost on long canvases).
-        Returns (logits [B, Q or O, V] float32, per-layer LayerKV of the queries [B, Q, KVH, D]).
+        Returns (logits [B, Q or O, V] float32, per layer the K/V the queries attended to: without
+        a cache their own [B, Q, KVH, D]; with one, the cache with theirs written in [B, L, KVH, D]).
+        A caller that donates the cache gets that write in place.
         Logits are unshifted: with cfg.logits_shift the row of position i scores position i + 1
         (see `shift_logits`).
         """
@@ -147,7 +150,8 @@ class LLaDAModel(nnx.Module):
         return self.logits(x), new_kv
 
     def hidden(self, tokens, positions, kv_cache: Sequence[LayerKV] | None = None, valid_len=None):
-        """The transformer blocks only: -> (last block's output [B, Q, d_model], per-layer query K/V)."""
+        """The transformer blocks only: -> (last block's output [B, Q, d_model], per-layer K/V as in
+        `__call__`)."""
         cfg = self.cfg
         b = tokens.shape[0]
         if valid_len is None:
@@ -176,7 +180,7 @@ def forward(graphdef, params, tokens, positions, kv_cache=None, valid_len=None, 
 
 
 def forward_hidden(graphdef, params, tokens, positions, kv_cache=None, valid_len=None):
-    """Pure `LLaDAModel.hidden`: the blocks' output rows and the queries' K/V, without the LM head."""
+    """Pure `LLaDAModel.hidden`: the blocks' output rows and the K/V they attended to, without the LM head."""
     return nnx.merge(graphdef, params).hidden(tokens, positions, kv_cache, valid_len)
 
 

@@ -52,9 +52,13 @@ def test_mixed_thresholds_in_one_batch(make_decoder, solo):
     assert (dec.answer(2), steps[2]) == (want[0.5][0], want[0.5][2])
 
 
-def test_padding_rows_never_touch_the_state(make_decoder):
-    """Steps over 3 real slots (bucket 4, one padding row) leave the fourth slot's state bit-identical."""
-    dec = make_decoder("dual")
+@pytest.mark.parametrize("slots", [4, 8])
+def test_rows_outside_the_step_keep_their_state(make_decoder, slots):
+    """Steps over 3 real slots (bucket 4: one padding row out of 8 slots, gathered; or, with 4 slots,
+    on the whole state in place) leave the fourth slot's canvas, scalars and K/V as they were — but
+    for the in-place reuse step's K/V at the positions a reuse of that slot would recompute itself
+    (its block), which no step ever reads (tests/decoding/test_step_writes.py)."""
+    dec = make_decoder("dual", slots=slots)
     ps = prompts(4, seed=5)
     for s, p in enumerate(ps):
         dec.admit(s, p, GEN, BLOCK)
@@ -64,8 +68,13 @@ def test_padding_rows_never_touch_the_state(make_decoder):
     dec.step(False, [0, 1, 2], [1.0] * 3)
     for field, value in before.items():
         np.testing.assert_array_equal(np.asarray(getattr(dec.state, field))[3], value)
+    start = len(ps[3])
+    kept = np.r_[0:start, start + BLOCK:kv_before[0].shape[0]] if slots == 4 else np.arange(kv_before[0].shape[0])
     for layer, k in zip(dec.state.kv, kv_before):
-        np.testing.assert_array_equal(np.asarray(layer.k)[3], k)
+        np.testing.assert_array_equal(np.asarray(layer.k)[3][kept], k[kept])
+    if slots == 8:
+        for layer, k in zip(dec.state.kv, kv_before):
+            np.testing.assert_array_equal(np.asarray(layer.k)[3], k)
 
 
 def test_step_rejects_protocol_violations(make_decoder):

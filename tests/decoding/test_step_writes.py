@@ -1,5 +1,6 @@
-"""What a step writes into the slot state: reuse steps never touch the K/V cache, a refresh writes
-only its own slots' rows, and sampling rows and greedy rows never change each other's tokens."""
+"""What a step writes into the slot state: a gathered reuse step never touches the K/V cache, one
+on the whole state writes only positions that every reuse recomputes, a refresh writes only its own
+slots' rows, and sampling rows and greedy rows never change each other's tokens."""
 import numpy as np
 import pytest
 
@@ -35,6 +36,38 @@ def test_reuse_steps_keep_the_refreshed_cache_and_refresh_writes_only_its_slots(
         for slot in (0, 2, 3):
             np.testing.assert_array_equal(np.asarray(layer.k)[slot], k[slot])
             np.testing.assert_array_equal(np.asarray(layer.v)[slot], v[slot])
+
+
+@pytest.mark.parametrize("mode", ["dual", "prefix"])
+def test_whole_state_reuse_writes_only_positions_every_reuse_recomputes(make_decoder, mode):
+    """Three of four slots stepped with 4 slots (batch bucket = every slot: the step runs on the
+    state in place) and with 8 (gathered): the same commits step by step and to the end. In place,
+    the K/V of every row, the unstepped slot's too, differ from the refresh's only where a reuse
+    recomputes them (the block and, with shifted logits, the row before it; in prefix mode also
+    everything after the block), so nothing a later step reads has changed."""
+    ps = prompts(4, seed=8)
+    whole, gathered = make_decoder(mode), make_decoder(mode, slots=8)
+    for dec in (whole, gathered):
+        for slot, prompt in enumerate(ps):
+            dec.admit(slot, prompt, GEN, BLOCK)
+        dec.step(True, [0, 1, 2, 3], [1.0] * 4)
+    refreshed = _kv(whole)
+    for _ in range(3):
+        assert whole.step(False, [0, 1, 2], [1.0] * 3) == gathered.step(False, [0, 1, 2], [1.0] * 3)
+    shift = whole.cfg.logits_shift
+    for (k, v), layer in zip(refreshed, whole.state.kv):
+        written = False
+        for slot, prompt in enumerate(ps):
+            start = len(prompt)
+            end = start + BLOCK if mode == "dual" else start + GEN
+            kept = np.r_[0:start - shift, end:k.shape[1]]
+            np.testing.assert_array_equal(np.asarray(layer.k)[slot][kept], k[slot][kept])
+            np.testing.assert_array_equal(np.asarray(layer.v)[slot][kept], v[slot][kept])
+            written |= not np.array_equal(np.asarray(layer.k)[slot], k[slot])
+        assert written  # the step did write in place (else this test checks nothing)
+    taus = {slot: 1.0 for slot in range(4)}
+    assert run_to_end(whole, taus) == run_to_end(gathered, taus)
+    assert [whole.answer(s) for s in range(4)] == [gathered.answer(s) for s in range(4)]
 
 
 def test_sampled_and_greedy_rows_do_not_change_each_other(make_decoder):
