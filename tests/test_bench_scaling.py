@@ -32,10 +32,14 @@ def test_table_shows_both_trees_and_flags_different_tokens():
     step = {"tree": "this", "cache": "dual", "batch": 8, "kind": "reuse", "step_ms": 10.0, "compiled_ms": 9.0,
             "outside_ms": 1.0, "step_min_ms": 8.0, "compiled_min_ms": 7.6, "outside_min_ms": 0.4, "result_copy_ms": 0.1, "busy_ms": {"layers": 8.0, "other": 1.0}, "flops": 2e9,
             "bytes_accessed": 2e8}
-    table = format_scaling({"trees": {"this": "a", "against": "b"}, "rows": [row], "breakdown": [step]})
+    table = format_scaling({"trees": {"this": "a", "against": "b"}, "rows": [row], "breakdown": [step],
+                            "matmul_gflops": {256: 180.4, 32: 90.2}})
     line = table.splitlines()[2]
     assert "2.00x" in line and "NO" in line and "1.20x" in line
-    assert "10.0" in table.splitlines()[-1] and "5.0" in table.splitlines()[-1]  # outside = 10% (5% at the minima)
+    [step_line] = [x for x in table.splitlines() if x.startswith("this ")]
+    assert "10.0" in step_line and "5.0" in step_line  # outside = 10% (5% at the minima)
+    assert step_line.split()[-1] == "263"  # 2 GFLOP over the fastest compiled 7.6 ms
+    assert table.splitlines()[-1].split() == ["M=32:", "90", "M=256:", "180"]
 
 
 @pytest.mark.slow
@@ -47,3 +51,4 @@ def test_two_workers_of_one_tree_agree_token_for_token(tmp_path):
     assert all(r["same_tokens"] and r["this"] > 0 and r["again"] > 0 for r in result["rows"])
     kinds = {(b["tree"], b["kind"]) for b in result["breakdown"]}
     assert kinds == {(t, k) for t in ("this", "again") for k in ("refresh", "reuse")}
+    assert set(result["matmul_gflops"]) == {2 * 16, 2 * 20} and min(result["matmul_gflops"].values()) > 0

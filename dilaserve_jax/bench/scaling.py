@@ -165,7 +165,19 @@ def run_scaling(cfg: ScalingConfig, trees: dict[str, str | Path], progress: bool
         finally:
             for w in workers:
                 w.close()
-    return {"config": cfg, "trees": {w.label: w.source for w in workers}, "rows": rows, "breakdown": breakdown}
+    return {"config": cfg, "trees": {w.label: w.source for w in workers}, "rows": rows, "breakdown": breakdown,
+            "matmul_gflops": matmul_ceiling(cfg)}
+
+
+def matmul_ceiling(cfg: ScalingConfig) -> dict[int, float]:
+    """XLA's float32 rate for the model's largest product ([M, d_model] x [d_model, MLP]) at the row
+    counts of the workload's steps (M = batch x block for a dual reuse step, batch x canvas for a
+    refresh), measured here after the workers have stopped: where the machine stops speeding up
+    with batch, whatever the decoder does."""
+    from dilaserve_jax.bench.step_profile import dense_matmul_rate
+
+    rows = sorted({b * cfg.block for b in cfg.batches} | {b * (cfg.prompt + cfg.answer) for b in cfg.batches})
+    return {m: dense_matmul_rate(m, SCALING_MODEL.d_model, SCALING_MODEL.mlp_hidden) for m in rows}
 
 
 def format_scaling(result: dict) -> str:
@@ -192,12 +204,17 @@ def format_scaling(result: dict) -> str:
                       "stages and op kinds = CPU-thread busy ms inside the compiled step)",
                   f"{'tree':<10}{'cache':<7}{'batch':>6} {'kind':<8}{'step':>8}{'compiled':>9}{'outside':>8}"
                   f"{'out %':>6}{'min %':>6}{'copy':>6}" + "".join(f"{s[:11]:>12}" for s in stages)
-                  + "".join(f"{k[:11]:>12}" for k in kinds) + f"{'GFLOP':>7}{'MB':>7}"]
+                  + "".join(f"{k[:11]:>12}" for k in kinds) + f"{'GFLOP':>7}{'MB':>7}{'GFLOP/s':>8}"]
         for b in result["breakdown"]:
             lines.append(f"{b['tree']:<10}{b['cache']:<7}{b['batch']:>6} {b['kind']:<8}{b['step_ms']:>8.2f}"
                          f"{b['compiled_ms']:>9.2f}{b['outside_ms']:>8.2f}{100 * b['outside_ms'] / b['step_ms']:>6.1f}"
                          f"{100 * b['outside_min_ms'] / b['step_min_ms']:>6.1f}"
                          f"{b['result_copy_ms']:>6.2f}" + "".join(f"{b['busy_ms'].get(s, 0.0):>12.2f}" for s in stages)
                          + "".join(f"{b.get('kind_busy_ms', {}).get(k, 0.0):>12.2f}" for k in kinds)
-                         + f"{b['flops'] / 1e9:>7.2f}{b['bytes_accessed'] / 1e6:>7.0f}")
+                         + f"{b['flops'] / 1e9:>7.2f}{b['bytes_accessed'] / 1e6:>7.0f}"
+                         + f"{b['flops'] / 1e6 / b['compiled_min_ms']:>8.0f}")
+        lines.append("GFLOP/s = the step's FLOPs over its fastest compiled run")
+    if result.get("matmul_gflops"):
+        lines += ["", "the machine's ceiling: XLA float32 [M x d_model] . [d_model x MLP] product, GFLOP/s (fastest of 5)",
+                  "  " + "  ".join(f"M={m}: {r:.0f}" for m, r in sorted(result["matmul_gflops"].items()))]
     return "\n".join(lines)

@@ -94,6 +94,25 @@ def time_step_parts(decoder: SlotDecoder, refresh: bool, slots: list[int], repea
             "outside_min_ms": 1e3 * (min(step) - min(compiled)), "result_copy_ms": ms(copy), "shape": shape}
 
 
+def dense_matmul_rate(rows: int, d_in: int, d_out: int, repeats: int = 5, calls: int = 10) -> float:
+    """GFLOP/s of one jitted float32 [rows, d_in] x [d_in, d_out] product on the default device, from
+    the fastest of `repeats` timings of `calls` calls in a row: what this machine's matrix units
+    give at a step's row count, to read a step's own FLOP rate against."""
+    rng = np.random.default_rng(0)
+    a = jax.device_put(rng.standard_normal((rows, d_in), dtype=np.float32))
+    b = jax.device_put(rng.standard_normal((d_in, d_out), dtype=np.float32))
+    product = jax.jit(lambda a, b: a @ b)
+    jax.block_until_ready(product(a, b))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = product(a, b)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return 2 * rows * d_in * d_out / best / 1e9
+
+
 def hlo_stages(hlo_text: str) -> dict[str, str]:
     """Instruction name -> the decode stage named in its op_name (innermost wins), else OTHER."""
     stages = {}
