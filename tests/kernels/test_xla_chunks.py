@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import dilaserve_jax.kernels as kernels
+from dilaserve_jax import kernels
 from dilaserve_jax.kernels import rows_per_chunk, xla_attention
 from dilaserve_jax.kernels.reference import reference_attention
 
