@@ -235,7 +235,7 @@ def _serving_model(cfg, layout, model_cfg, params, tokenizer, source: str):
     from dilaserve_jax.models.hf import abstract_params
     from dilaserve_jax.models.tokenizer import CharTokenizer
     from dilaserve_jax.serving.build import ServingModel
-    from dilaserve_jax.serving.cluster import IncompatibleWeights
+    from dilaserve_jax.serving.weights_swap import IncompatibleWeights
     from dilaserve_jax.serving.push import PlanCache
 
     held = {str(x.dtype) for x in jax.tree.leaves(params)}

@@ -16,13 +16,16 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from dilaserve_jax.serving.engine import (Engine, EngineUnavailable, Handoff, ProgressFn, RequestHandle,
                                           RequestResult)
 from dilaserve_jax.serving.limits import DEFAULT_STEP_TIMEOUT_S
 from dilaserve_jax.serving.request import Request, RequestState
 from dilaserve_jax.serving.router import NoInstanceAvailable, Router
+
+if TYPE_CHECKING:
+    from dilaserve_jax.serving.weights_swap import NewWeights, ReloadReport
 
 log = logging.getLogger(__name__)
 
@@ -38,34 +41,11 @@ class ClusterBusy(RuntimeError):
     """Another administrative operation (reload, reconfiguration) is under way."""
 
 
-class WeightsError(ValueError):
-    """New weights could not be read (missing, unreadable, corrupt, not a checkpoint)."""
-
-
-class IncompatibleWeights(WeightsError):
-    """New weights were read but do not fit the served model's architecture."""
-
-
 @dataclass(frozen=True, slots=True)
 class InstanceInfo:
     name: str
     tp_degree: int
     device_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class NewWeights:
-    """Weights loaded for a reload: a label for the source, and params placed per instance name."""
-
-    source: str
-    params: Mapping[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class ReloadReport:
-    source: str
-    seconds: float
-    swapped_at: Mapping[str, float]  # instance -> engine-clock time of its swap
 
 
 @dataclass(slots=True)
@@ -339,9 +319,11 @@ class Cluster:
         with a refresh (its cached K/V came from the old ones). Raises ClusterBusy if another
         reload or reconfiguration is under way; the loader's errors pass through unchanged (the
         old weights keep serving)."""
+        from dilaserve_jax.serving.weights_swap import swap_weights
+
         if self._loader is None:
             raise ValueError("this cluster cannot reload weights")
-        return self._swap_weights(lambda: self._loader(source, step), timeout, None, origin)
+        return swap_weights(self, lambda: self._loader(source, step), timeout, None, origin)
 
     def swap_in(self, new: NewWeights | Callable[[], NewWeights], timeout: float | None = 600.0,
                 wait_s: float | None = None, origin: str = "push") -> ReloadReport:
@@ -349,38 +331,13 @@ class Cluster:
         training job) in, exactly as `reload` does after loading. `new` may be a function giving them,
         called while no reload or reconfiguration can start. `wait_s`: how long to wait for one under
         way (None: raise ClusterBusy at once)."""
-        return self._swap_weights(new if callable(new) else lambda: new, timeout, wait_s, origin)
+        from dilaserve_jax.serving.weights_swap import swap_weights
+
+        return swap_weights(self, new if callable(new) else lambda: new, timeout, wait_s, origin)
 
     def add_status(self, name: str, status: Callable[[], dict]) -> None:
         """Report `status()` under `name` in state() (e.g. a checkpoint watcher's progress)."""
         self._status = {**self._status, name: status}
-
-    def _swap_weights(self, make: Callable[[], NewWeights], timeout: float | None, wait_s: float | None,
-                      origin: str) -> ReloadReport:
-        got = self._admin.acquire(blocking=False) if wait_s is None else self._admin.acquire(timeout=wait_s)
-        if not got:
-            raise ClusterBusy("another reload or reconfiguration is in progress")
-        try:
-            t0 = time.perf_counter()
-            new = make()
-            missing = sorted({e.name for e in self.healthy_engines} - set(new.params))
-            if missing:
-                raise WeightsError(f"the new weights hold no params for instance(s) {missing}")
-            swaps = {e.name: e.swap_weights(new.params[e.name]) for e in self.healthy_engines}
-            swapped = {}
-            for name, fut in swaps.items():
-                try:
-                    swapped[name] = fut.result(timeout)
-                except EngineUnavailable:  # failed meanwhile; its requests moved to the others
-                    pass
-            self.model_source = new.source
-            self.reloads += 1
-            self.weight_updates[origin] = self.weight_updates.get(origin, 0) + 1
-            report = ReloadReport(new.source, time.perf_counter() - t0, swapped)
-            self._emit("reload", {"source": new.source, "seconds": report.seconds, "origin": origin})
-            return report
-        finally:
-            self._admin.release()
 
     def reconfigure(self, spec: str, reason: str = "manual"):
         """Reshape the devices into the layout `spec` while serving (see serving/reshape.py)."""

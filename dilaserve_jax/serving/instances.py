@@ -18,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 from dilaserve_jax.decoding.compiled import CompiledSteps
 from dilaserve_jax.decoding.state import bytes_per_slot, init_state, state_shardings
 from dilaserve_jax.mesh import Instance, Layout, kv_cache_sharding, reshard
-from dilaserve_jax.serving.cluster import IncompatibleWeights, InstanceInfo, NewWeights, WeightsError
+from dilaserve_jax.serving.cluster import InstanceInfo
+from dilaserve_jax.serving.weights_swap import IncompatibleWeights, NewWeights, WeightsError
 from dilaserve_jax.serving.engine import Engine
 from dilaserve_jax.serving.latency import LatencyModel
 from dilaserve_jax.serving.runner import JaxRunner

@@ -28,7 +28,8 @@ import jax
 from dilaserve_jax.mesh.layout import Instance, Layout
 from dilaserve_jax.mesh.sharding import param_shardings
 from dilaserve_jax.mesh.transfer import TransferPlan
-from dilaserve_jax.serving.cluster import Cluster, IncompatibleWeights, WeightsError
+from dilaserve_jax.serving.cluster import Cluster
+from dilaserve_jax.serving.weights_swap import IncompatibleWeights, WeightsError
 
 
 def params_of(model_or_params):

@@ -10,7 +10,8 @@ from dilaserve_jax.frontend.client import DiLaServeClient
 from dilaserve_jax.frontend.server import ServerOptions, start_server
 from dilaserve_jax.frontend.validation import Limits
 from dilaserve_jax.models import CharTokenizer
-from dilaserve_jax.serving.cluster import Cluster, InstanceInfo, NewWeights
+from dilaserve_jax.serving.cluster import Cluster, InstanceInfo
+from dilaserve_jax.serving.weights_swap import NewWeights
 from dilaserve_jax.serving.engine import Engine
 from dilaserve_jax.serving.fake_runner import FakeRunner, fake_profile
 from dilaserve_jax.serving.latency import LatencyModel

@@ -7,7 +7,8 @@ import time
 import pytest
 
 from serving_support import req
-from dilaserve_jax.serving.cluster import Cluster, DuplicateRequest, InstanceInfo, NewWeights
+from dilaserve_jax.serving.cluster import Cluster, DuplicateRequest, InstanceInfo
+from dilaserve_jax.serving.weights_swap import NewWeights
 from dilaserve_jax.serving.engine import Engine, EngineState, EngineUnavailable
 from dilaserve_jax.serving.fake_runner import FakeRunner
 from dilaserve_jax.serving.request import RequestState
