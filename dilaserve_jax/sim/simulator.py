@@ -191,10 +191,10 @@ class Simulation:
         first = [s for s in self.specs if s.arrival < window]
         if not first:
             return layout_text(cands[0])
-        shapes = [_shape(s, cfg) for s in first[-cfg.controller.sample_size:]]
-        # the rate as the controller measures it: over the span the arrivals cover, at most a window
-        span = min(window, max(first[-1].arrival - first[0].arrival, cfg.controller.interval_s))
-        preds = self._controller(cands).predict(len(first) / span, shapes)
+        controller = self._controller(cands)
+        for s in first:  # the load as the controller itself measures it after the first window
+            controller.observe(_shape(s, cfg), s.arrival)
+        preds = controller.predict(*controller.load(first[-1].arrival))
         ref = min(p.latency_s for p in preds) or 1e-9
         best = max(preds, key=lambda p: p.attainment + cfg.controller.tau_weight * p.tau
                    - cfg.controller.latency_weight * p.latency_s / ref)
