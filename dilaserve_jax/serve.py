@@ -7,7 +7,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 
 from dilaserve_jax.mesh.distributed import add_distributed_args, distributed_config, init_distributed
 from dilaserve_jax.serving import limits as defaults

@@ -63,7 +63,7 @@ class Server:
         from dilaserve_jax.frontend.server import ServerOptions
         from dilaserve_jax.mesh.share import share_layout
         from dilaserve_jax.serving.build import ServeConfig, build_cluster
-        from dilaserve_jax.serving.push import PlanCache, WeightPusher
+        from dilaserve_jax.serving.push import WeightPusher
 
         if jax.process_count() > 1:
             raise ValueError("Server runs in a single process; for multi-host serving use "

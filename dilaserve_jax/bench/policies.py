@@ -166,8 +166,7 @@ class Bench:
         self.reference: list[bool] = []  # per item: valid at the static τ alone
 
     def _eval_rows(self) -> list[dict] | None:
-        from dilaserve_jax.serving.threshold import (accuracy_from_eval_json, eval_rows_beside, prior_from_eval_json,
-                                                     read_eval_rows)
+        from dilaserve_jax.serving.eval_rows import describe_priors, eval_rows_beside, read_eval_rows
 
         path = self.cfg.prior or eval_rows_beside(self.model.source)
         if path is None:
@@ -175,9 +174,7 @@ class Bench:
                      "accuracy budgets not enforced")
             return None
         rows = read_eval_rows(path)
-        prior, acc = prior_from_eval_json(rows), accuracy_from_eval_json(rows)
-        self.say(f"threshold priors from {path}: " + ", ".join(f"τ={t:g}: {v:.2f} tok/step {100 * acc[t]:.1f}%"
-                                                             for t, v in prior.items()))
+        self.say(f"threshold priors from {path}: {describe_priors(rows)}")
         return rows
 
     def threshold_config(self, budget: float | None, mode: str):

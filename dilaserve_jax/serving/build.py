@@ -28,8 +28,8 @@ from dilaserve_jax.serving.latency import LatencyModel, Profile
 from dilaserve_jax.serving.limits import Limits
 from dilaserve_jax.serving.quality import BUDGET_MODES
 from dilaserve_jax.serving.scheduler import POLICIES
-from dilaserve_jax.serving.threshold import (ThresholdConfig, accuracy_from_eval_json, eval_rows_beside,
-                                             prior_from_eval_json, read_eval_rows)
+from dilaserve_jax.serving.eval_rows import describe_priors, eval_rows_beside, read_eval_rows
+from dilaserve_jax.serving.threshold import ThresholdConfig
 
 log = logging.getLogger(__name__)
 
@@ -249,9 +249,7 @@ def _threshold_config(cfg: ServeConfig, source: str, say) -> ThresholdConfig:
             "accuracy budget NOT enforced: no accuracy model")
         return ThresholdConfig()
     rows = read_eval_rows(path)  # refuses rows without accuracy
-    prior, acc = prior_from_eval_json(rows), accuracy_from_eval_json(rows)
-    say(f"threshold priors from {path}: " + ", ".join(f"τ={t:g} {v:.2f} tok/step {100 * acc[t]:.1f}%"
-                                                     for t, v in prior.items()))
+    say(f"threshold priors from {path}: {describe_priors(rows)}")
     budget = "unbounded" if cfg.max_accuracy_drop is None else f"{cfg.max_accuracy_drop:g} points"
     say(f"accuracy budget: {budget} mean predicted drop vs τ_max ({cfg.budget_mode})")
     return ThresholdConfig.from_eval(rows, max_accuracy_drop=cfg.max_accuracy_drop, budget_mode=cfg.budget_mode)

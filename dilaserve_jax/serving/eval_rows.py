@@ -84,6 +84,12 @@ def accuracy_from_eval_json(path_or_rows: str | Path | Iterable[Mapping], tasks:
     return {tau: correct[tau] / total[tau] for tau in sorted(total, reverse=True)}
 
 
+def describe_priors(rows: Sequence[Mapping]) -> str:
+    """One line of the speed and accuracy priors the rows give, per τ (for start-up logs)."""
+    prior, acc = prior_from_eval_json(rows), accuracy_from_eval_json(rows)
+    return ", ".join(f"τ={t:g} {v:.2f} tok/step {100 * acc[t]:.1f}%" for t, v in prior.items())
+
+
 def eval_rows_beside(model_source: str) -> Path | None:
     """The first eval*.json in the directory a model was loaded from ("hf:DIR", "orbax:DIR@step")."""
     directory = Path(model_source.split(":", 1)[-1].split("@")[0])

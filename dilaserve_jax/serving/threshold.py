@@ -28,8 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from dilaserve_jax.serving.eval_rows import (EVAL_ROW_KEYS, accuracy_from_eval_json, eval_rows_beside,  # noqa: F401
-                                             prior_from_eval_json, read_eval_rows)
+from dilaserve_jax.serving.eval_rows import prior_from_eval_json, read_eval_rows
 from dilaserve_jax.serving.quality import QualityBudget, QualityConfig, QualitySnapshot, interpolate
 from dilaserve_jax.serving.request import Request
 from dilaserve_jax.serving.types import StepKind

@@ -1,6 +1,5 @@
 """JaxRunner: the Runner protocol on real steps, compiled once at start-up, never again."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P

@@ -1,6 +1,5 @@
 """Admin calls are privileged, reloads stay inside the weights roots, errors are bounded; clients
 retry UNAVAILABLE; ids are cluster-wide; a cluster with no instance left answers UNAVAILABLE."""
-import os
 import threading
 import time
 

@@ -1,6 +1,5 @@
 """Loading checkpoints straight into a layout's shards (HF safetensors and orbax)."""
 import jax
-import numpy as np
 import pytest
 from mesh_support import host_copy
 

@@ -84,7 +84,6 @@ def test_gqa_equals_multi_head_with_repeated_kv_heads():
 def test_cached_forward_matches_full_forward(model):
     """Queries of one block against a cache of the whole canvas equal the full forward's rows; the
     K/V they attended to are the cache with theirs written in (the whole canvas's, here)."""
-    cfg = model[0]
     tokens = np.random.default_rng(1).integers(3, 127, (2, 12)).astype(np.int32)
     full_logits, full_kv = run(model, tokens)
     cache = [LayerKV(kv.k, kv.v) for kv in full_kv]

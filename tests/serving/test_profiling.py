@@ -7,7 +7,8 @@ from dilaserve_jax.models import load_model
 from dilaserve_jax.serving.latency import LatencyModel, Profile
 from dilaserve_jax.serving.profiling import measure_profile, refresh_reuse_ratios
 from dilaserve_jax.serving.runner import JaxRunner
-from dilaserve_jax.serving.threshold import ThresholdConfig, TokensPerStep, prior_from_eval_json
+from dilaserve_jax.serving.eval_rows import prior_from_eval_json
+from dilaserve_jax.serving.threshold import ThresholdConfig, TokensPerStep
 from dilaserve_jax.serving.types import StepKind
 
 

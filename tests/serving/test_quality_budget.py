@@ -11,9 +11,8 @@ from dilaserve_jax.serving.fake_runner import FakeClock, FakeRunner
 from dilaserve_jax.serving.quality import AccuracyModel, QualityBudget, QualityConfig, changed_commits, curve_loss
 from dilaserve_jax.serving.request import Request, RequestState
 from dilaserve_jax.serving.scheduler import Scheduler, SchedulerConfig
-from dilaserve_jax.serving.threshold import (TAU_GRID, ThresholdConfig, accuracy_from_eval_json,
-                                             prior_from_eval_json, read_eval_rows)
-from dilaserve_jax.serving.types import StepKind
+from dilaserve_jax.serving.eval_rows import accuracy_from_eval_json, prior_from_eval_json, read_eval_rows
+from dilaserve_jax.serving.threshold import TAU_GRID, ThresholdConfig
 
 TAUS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 SAFE_ACC = dict(zip(TAUS, (0.95, 0.95, 0.95, 0.95, 0.95, 0.94)))
