@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from dilaserve_jax.decoding.compiled import CompiledSteps
     from dilaserve_jax.models import load_model
-    from dilaserve_jax.serving.engine import Engine, StepTimeline
+    from dilaserve_jax.serving.engine import Engine
+    from dilaserve_jax.serving.timeline import StepTimeline
     from dilaserve_jax.serving.fake_runner import fake_profile
     from dilaserve_jax.serving.latency import LatencyModel
     from dilaserve_jax.serving.request import Request

@@ -18,7 +18,7 @@ from dilaserve_jax.frontend.admin import MAX_PATH_BYTES, bounded, reload_refusal
 from dilaserve_jax.frontend.validation import GenerateSpec, InvalidRequest, validate
 from dilaserve_jax.serving.cluster import ClusterBusy, DuplicateRequest
 from dilaserve_jax.serving.weights_swap import IncompatibleWeights
-from dilaserve_jax.serving.engine import EngineUnavailable
+from dilaserve_jax.serving.engine_types import EngineUnavailable
 from dilaserve_jax.serving.request import Request, RequestState
 from dilaserve_jax.serving.router import NoInstanceAvailable
 

@@ -31,11 +31,7 @@ from dilaserve_jax.serving.engine_types import (EngineSnapshot, EngineState, Eng
                                                 StepProgress, own_time)
 from dilaserve_jax.serving.request import Request, RequestState
 from dilaserve_jax.serving.scheduler import Scheduler
-from dilaserve_jax.serving.timeline import StepTimeline
 from dilaserve_jax.serving.types import Runner, StepPlan
-
-__all__ = ["Engine", "EngineSnapshot", "EngineState", "EngineUnavailable", "FailureFn", "Handoff", "HungStep",
-           "ProgressFn", "RequestHandle", "RequestResult", "StepHook", "StepProgress", "StepTimeline", "own_time"]
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,9 @@ from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, Sequence
 
-from dilaserve_jax.serving.engine import Engine, Handoff
+from dilaserve_jax.serving.engine import Engine
+
+from dilaserve_jax.serving.engine_types import Handoff
 
 if TYPE_CHECKING:
     from dilaserve_jax.serving.cluster import Cluster, InstanceInfo

@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 from typing import Sequence
 
-from dilaserve_jax.serving.engine import EngineSnapshot, own_time
+from dilaserve_jax.serving.engine_types import EngineSnapshot, own_time
 from dilaserve_jax.serving.request import Request
 
 

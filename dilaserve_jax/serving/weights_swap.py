@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from dilaserve_jax.serving.engine import EngineUnavailable
+from dilaserve_jax.serving.engine_types import EngineUnavailable
 
 if TYPE_CHECKING:
     from dilaserve_jax.serving.cluster import Cluster

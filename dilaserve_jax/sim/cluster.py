@@ -28,7 +28,8 @@ from typing import Callable, Sequence
 
 from dilaserve_jax.serving.capacity import layout_text, moved_fraction, parse_layout, placements
 from dilaserve_jax.serving.cluster import InstanceInfo
-from dilaserve_jax.serving.engine import Engine, EngineSnapshot, Handoff, own_time
+from dilaserve_jax.serving.engine import Engine
+from dilaserve_jax.serving.engine_types import EngineSnapshot, Handoff, own_time
 from dilaserve_jax.serving.request import Request
 from dilaserve_jax.serving.router import NoInstanceAvailable, Router
 from dilaserve_jax.sim.executor import VirtualClock

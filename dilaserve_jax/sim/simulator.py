@@ -21,7 +21,8 @@ from dilaserve_jax.serving.autoscale import Autoscaler
 from dilaserve_jax.serving.capacity import RequestShape, binary_partitions, layout_text, parse_layout
 from dilaserve_jax.serving.cluster import InstanceInfo
 from dilaserve_jax.serving.controller import ClusterController, ControllerConfig
-from dilaserve_jax.serving.engine import Engine, RequestResult
+from dilaserve_jax.serving.engine import Engine
+from dilaserve_jax.serving.engine_types import RequestResult
 from dilaserve_jax.serving.latency import LatencyModel
 from dilaserve_jax.serving.limits import DEFAULT_MAX_QUEUE
 from dilaserve_jax.serving.quality import BUDGET_MODES

@@ -3,7 +3,8 @@ import time
 
 from serving_support import make_engine, req
 from dilaserve_jax.serving.cluster import Cluster, InstanceInfo
-from dilaserve_jax.serving.engine import Engine, StepTimeline
+from dilaserve_jax.serving.engine import Engine
+from dilaserve_jax.serving.timeline import StepTimeline
 from dilaserve_jax.serving.fake_runner import FakeRunner
 from dilaserve_jax.serving.request import Request, RequestState
 from dilaserve_jax.serving.router import Router, predict_finish

@@ -9,7 +9,8 @@ import pytest
 from serving_support import req
 from dilaserve_jax.serving.cluster import Cluster, DuplicateRequest, InstanceInfo
 from dilaserve_jax.serving.weights_swap import NewWeights
-from dilaserve_jax.serving.engine import Engine, EngineState, EngineUnavailable
+from dilaserve_jax.serving.engine import Engine
+from dilaserve_jax.serving.engine_types import EngineState, EngineUnavailable
 from dilaserve_jax.serving.fake_runner import FakeRunner
 from dilaserve_jax.serving.request import RequestState
 from dilaserve_jax.serving.router import NoInstanceAvailable
