@@ -86,13 +86,15 @@ def decode_step(graphdef, params, state: DecodeState, slots, taus, *, shape: Ste
     full_canvas = shape.step in (StepType.FULL, StepType.REFRESH)
     whole = runs_in_place(shape, state.num_slots, state.length)
     with jax.named_scope("state_gather"):
-        rows = (lambda x: x) if whole else (lambda x: _take_rows(x, slots))  # noqa: E731
-        canvas = rows(state.canvas)[:, :length]  # [B, length]
-        prompt_len, answer_len = rows(state.prompt_len), rows(state.answer_len)
-        block_start, block_len = rows(state.block_start), rows(state.block_len)
-        temperature = rows(state.temperature)
-        keys = _sampling_keys(rows(state.seed), rows(state.steps))
-        cache = None if full_canvas else [LayerKV(rows(kv.k)[:, :length], rows(kv.v)[:, :length]) for kv in state.kv]
+        def read(x):  # the batch's rows of a slot-major array
+            return x if whole else _take_rows(x, slots)
+
+        canvas = read(state.canvas)[:, :length]  # [B, length]
+        prompt_len, answer_len = read(state.prompt_len), read(state.answer_len)
+        block_start, block_len = read(state.block_start), read(state.block_len)
+        temperature = read(state.temperature)
+        keys = _sampling_keys(read(state.seed), read(state.steps))
+        cache = None if full_canvas else [LayerKV(read(kv.k)[:, :length], read(kv.v)[:, :length]) for kv in state.kv]
     valid_len = prompt_len + answer_len
     block_end = jnp.minimum(block_start + block_len, valid_len)
     window = block_start[:, None] + jnp.arange(block)[None, :]  # [B, block] commit window
