@@ -55,8 +55,9 @@ def test_step_timing_and_stage_profile_of_a_real_step(decoder_after_refresh):
     dec = decoder_after_refresh
     parts = time_step_parts(dec, False, [0, 1], repeats=2)
     assert parts["step_ms"] > 0 and parts["compiled_ms"] > 0 and parts["result_copy_ms"] > 0
-    assert parts["outside_ms"] == pytest.approx(parts["step_ms"] - parts["compiled_ms"])
-    assert parts["outside_min_ms"] == pytest.approx(parts["step_min_ms"] - parts["compiled_min_ms"])
+    # the host's part of each step, measured inside it: positive and a fraction of the step
+    assert 0 < parts["outside_min_ms"] <= parts["outside_ms"] < parts["step_ms"]
+    assert "get" not in vars(dec.compiled)  # the timing wrapper is gone again
     assert parts["step_min_ms"] <= parts["step_ms"] and parts["compiled_min_ms"] <= parts["compiled_ms"]
     profile = stage_profile(dec, False, [0, 1], repeats=1)
     busy = profile["busy_ms"]

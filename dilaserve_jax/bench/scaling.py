@@ -200,7 +200,8 @@ def format_scaling(result: dict) -> str:
     if result["breakdown"]:
         stages = list(dict.fromkeys(s for b in result["breakdown"] for s in b["busy_ms"]))
         kinds = list(dict.fromkeys(k for b in result["breakdown"] for k in b.get("kind_busy_ms", {})))
-        lines += ["", "per step (ms, medians; out % = outside / step, min % = the same from each one's fastest run; "
+        lines += ["", "per step (ms, medians; outside = the host's part of a step, timed inside it; out % = outside / step, "
+                      "min % = the smallest outside / the fastest step; "
                       "stages and op kinds = CPU-thread busy ms inside the compiled step)",
                   f"{'tree':<10}{'cache':<7}{'batch':>6} {'kind':<8}{'step':>8}{'compiled':>9}{'outside':>8}"
                   f"{'out %':>6}{'min %':>6}{'copy':>6}" + "".join(f"{s[:11]:>12}" for s in stages)

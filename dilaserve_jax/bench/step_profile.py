@@ -2,10 +2,12 @@
 compiled computation split by stage.
 
 Two measurements of one step shape on a live SlotDecoder:
-- `time_step_parts`: the step as the engine runs it (`SlotDecoder.step`, wall clock) against the
-  compiled executable alone (called on device-resident inputs and waited for), so that
-  `outside_ms` = step - compiled is everything the host adds (argument transfers, dispatch, the
-  result copy, the slot table); `result_copy_ms` times the copy of the step's outputs alone.
+- `time_step_parts`: the step as the engine runs it (`SlotDecoder.step`, wall clock) and, inside
+  that same step, the executable's call until its results are ready; `outside_ms` = the
+  difference, everything the host adds (the slot table, building the arguments, the result copy).
+  Measured within one step, it does not move with the machine's load as a difference of two
+  separately timed medians did. `compiled_ms` times the executable alone on device-resident inputs,
+  `result_copy_ms` the copy of the step's outputs alone.
 - `stage_profile`: a JAX profiler trace of the same executable; each XLA operation's time on
   every CPU thread is charged to the `jax.named_scope` stage its HLO carries (decoding/steps.py
   names them) and to its kind (matmul, data movement, elementwise; `op_kind`), nested operations
@@ -62,8 +64,8 @@ def _arguments(decoder: SlotDecoder, shape, slots: list[int], taus: list[float])
 
 
 def time_step_parts(decoder: SlotDecoder, refresh: bool, slots: list[int], repeats: int = 5) -> dict:
-    """Median (and minimum) ms of the engine's step, of the compiled executable alone and of the
-    result copy.
+    """Median (and minimum) ms of the engine's step, of the host's part of it, of the compiled
+    executable alone and of the result copy.
 
     Runs 2 * repeats + 1 steps of kind `refresh` over `slots` (τ = 1) on `decoder`, whose slots
     must not finish meanwhile; afterwards its host mirror no longer matches the device state.
@@ -75,23 +77,42 @@ def time_step_parts(decoder: SlotDecoder, refresh: bool, slots: list[int], repea
     shape, exe = _executable(decoder, refresh, slots)
     args = _arguments(decoder, shape, slots, taus)
     jax.block_until_ready(args)
-    step, compiled, copy = [], [], []
+    step, outside, compiled, copy = [], [], [], []
+    inner: list[float] = []
+    get = decoder.compiled.get
+
+    def timed_get(*args, **kwargs):  # the step's own executable, timed until its results are ready
+        executable = get(*args, **kwargs)
+
+        def call(*call_args):
+            t = time.perf_counter()
+            result = executable(*call_args)
+            jax.block_until_ready(result)
+            inner.append(time.perf_counter() - t)
+            return result
+        return call
+
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        decoder.step(refresh, slots, taus)
-        step.append(time.perf_counter() - t0)
+        decoder.compiled.get = timed_get
+        try:
+            t0 = time.perf_counter()
+            decoder.step(refresh, slots, taus)
+            step.append(time.perf_counter() - t0)
+        finally:
+            del decoder.compiled.get  # back to the class's method
+        outside.append(step[-1] - inner[-1])
         t0 = time.perf_counter()
         decoder.state, out = exe(decoder.params, decoder.state, *args)
         jax.block_until_ready((decoder.state, out))
         compiled.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        jax.device_get(out)
+        jax.tree.map(np.asarray, out)  # as the decoder copies it (a StepOutput of arrays in older trees)
         copy.append(time.perf_counter() - t0)
     ms = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
     # Minima too: on a shared machine the fastest run of each is the one least disturbed by others.
-    return {"step_ms": ms(step), "compiled_ms": ms(compiled), "outside_ms": ms(step) - ms(compiled),
+    return {"step_ms": ms(step), "compiled_ms": ms(compiled), "outside_ms": ms(outside),
             "step_min_ms": 1e3 * min(step), "compiled_min_ms": 1e3 * min(compiled),
-            "outside_min_ms": 1e3 * (min(step) - min(compiled)), "result_copy_ms": ms(copy), "shape": shape}
+            "outside_min_ms": 1e3 * min(outside), "result_copy_ms": ms(copy), "shape": shape}
 
 
 def dense_matmul_rate(rows: int, d_in: int, d_out: int, repeats: int = 5, calls: int = 10) -> float:
