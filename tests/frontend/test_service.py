@@ -36,7 +36,9 @@ def test_stream_fills_the_canvas_then_ends_with_the_final(fake_server):
 def test_grpc_deadline_sets_the_schedule(fake_server):
     with fake_server.client() as c:
         r = c.generate("hello", timeout=3.0, slo_ms=100000)
-    assert 2000 < r.deadline_ms <= 3000
+    # The call's 3 s timeout, not the 100 s SLO. The server reads what remains of it from gRPC's
+    # clock, which caches "now" and can lag a loaded machine by a few ms (3008.6 ms was seen).
+    assert 2000 < r.deadline_ms <= 3050
 
 
 BAD = [
