@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from dilaserve_jax.serving.engine import Engine
-
 from dilaserve_jax.serving.engine_types import EngineUnavailable, Handoff, ProgressFn, RequestHandle, RequestResult
 from dilaserve_jax.serving.limits import DEFAULT_STEP_TIMEOUT_S
 from dilaserve_jax.serving.request import Request, RequestState

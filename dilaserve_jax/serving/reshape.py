@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 from dilaserve_jax.serving.engine import Engine
-
 from dilaserve_jax.serving.engine_types import Handoff
 
 if TYPE_CHECKING:
