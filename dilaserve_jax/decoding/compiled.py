@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Callable, Iterable
 
@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from dilaserve_jax.decoding.buckets import StepShape
+from dilaserve_jax.decoding.slot_shards import SLOTS_AXIS, shards_of
 from dilaserve_jax.decoding.state import DecodeState
 from dilaserve_jax.decoding.steps import admit_slot, decode_step
 from dilaserve_jax.models.config import ModelConfig
@@ -86,20 +87,33 @@ class CompiledSteps:
             slot, *rest = scalars
             lowered = jax.jit(fn, donate_argnums=0).lower(_abstract(state), slot, row, *rest)
         else:
-            step_fn = partial(decode_step, self.graphdef, shape=shape, cfg=self.cfg)
-
-            def fn(p, st, slots, taus):
-                new_state, out = step_fn(p, st, slots, taus)
-                return constrain(new_state), out
-
-            batch_in = jax.ShapeDtypeStruct((shape.batch,), jnp.int32, sharding=small)
-            taus_in = jax.ShapeDtypeStruct((shape.batch,), jnp.float32, sharding=small)
+            fn, rows = self._step_fn(shape, state, constrain)
+            batch_in = jax.ShapeDtypeStruct((shape.batch,), jnp.int32, sharding=rows)
+            taus_in = jax.ShapeDtypeStruct((shape.batch,), jnp.float32, sharding=rows)
             lowered = jax.jit(fn, donate_argnums=1).lower(_abstract(params), _abstract(state), batch_in, taus_in)
         executable = lowered.compile()
         self.compile_seconds += time.perf_counter() - t0
         self.compile_count += 1
         self.executables[key] = executable
         return executable
+
+    def _step_fn(self, shape: StepShape, state: DecodeState, constrain: Callable) -> tuple[Callable, Any]:
+        """(the step of `shape` on a state placed like `state`, the sharding of its per-row inputs).
+        A slot-sharded state steps every shard on its own part of the batch (decoding/slot_shards.py)."""
+        shards = shards_of(state.canvas.sharding)
+        if shards == 1:
+            step_fn = partial(decode_step, self.graphdef, shape=shape, cfg=self.cfg)
+
+            def fn(p, st, slots, taus):
+                new_state, out = step_fn(p, st, slots, taus)
+                return constrain(new_state), out
+            return fn, replicated_on(state.canvas.sharding)
+        part = replace(shape, batch=shape.batch // shards)
+        split = PartitionSpec(SLOTS_AXIS)
+        fn = jax.shard_map(partial(decode_step, self.graphdef, shape=part, cfg=self.cfg),
+                           mesh=state.canvas.sharding.mesh, in_specs=(PartitionSpec(), split, split, split),
+                           out_specs=(split, split), check_vma=False)
+        return fn, state.canvas.sharding
 
     def get(self, shape: StepShape | str, params, state: DecodeState, placement: tuple):
         key = (shape, placement)

@@ -19,6 +19,8 @@ from dilaserve_jax.decoding.buckets import (CacheMode, StepShape, StepType, buck
                                             prefix_query_buckets, shapes_for)
 from dilaserve_jax.decoding.compiled import ADMIT, CompiledSteps, leaf_placement, put_small, replicated_on
 from dilaserve_jax.decoding.shift import dual_queries
+from dilaserve_jax.decoding.slot_shards import (default_slot_devices, per_shard_counts, replicated, shard_rows,
+                                                shards_of, slot_mesh, slot_sharding)
 from dilaserve_jax.decoding.state import DecodeState, init_state, slots_for_budget
 from dilaserve_jax.decoding.steps import runs_in_place
 from dilaserve_jax.models.config import ModelConfig
@@ -32,6 +34,8 @@ class DecoderConfig:
     length_buckets: tuple[int, ...]
     block_buckets: tuple[int, ...] = (32,)
     cache_mode: CacheMode = CacheMode.DUAL
+    # Devices the slots are split over (decoding/slot_shards.py); 1 = the state on one placement.
+    slot_shards: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "cache_mode", CacheMode(self.cache_mode))
@@ -39,6 +43,9 @@ class DecoderConfig:
         object.__setattr__(self, "block_buckets", tuple(sorted(set(self.block_buckets))))
         if self.num_slots < 1:
             raise ValueError(f"num_slots must be positive, got {self.num_slots}")
+        if self.slot_shards < 1 or self.num_slots % self.slot_shards:
+            raise ValueError(f"slot_shards must be positive and divide num_slots ({self.num_slots}), "
+                             f"got {self.slot_shards}")
         if not self.length_buckets or min(self.length_buckets) < 1:
             raise ValueError(f"length_buckets must be positive and non-empty, got {self.length_buckets}")
         if not self.block_buckets or min(self.block_buckets) < 1:
@@ -58,8 +65,14 @@ class DecoderConfig:
         return cls(min(n, max_slots) if max_slots else n, tuple(length_buckets), tuple(block_buckets), mode)
 
     @property
+    def shard_batch_buckets(self) -> tuple[int, ...]:
+        """Batch buckets of one slot shard's part of a step."""
+        return powers_of_two_up_to(self.num_slots // self.slot_shards)
+
+    @property
     def batch_buckets(self) -> tuple[int, ...]:
-        return powers_of_two_up_to(self.num_slots)
+        """A step's whole batch: every shard's part is the same per-shard bucket."""
+        return tuple(self.slot_shards * b for b in self.shard_batch_buckets)
 
     @property
     def max_length(self) -> int:
@@ -109,10 +122,19 @@ class SlotDecoder:
                  compiled: CompiledSteps | None = None, warm_up: bool = True, progress: bool = True):
         if config.max_length > cfg.max_len:
             raise ValueError(f"length bucket {config.max_length} exceeds the model's max_len {cfg.max_len}")
+        if config.slot_shards > 1 and state_sharding is None:  # the first slot_shards local devices
+            mesh = slot_mesh(default_slot_devices(config.slot_shards))
+            state_sharding, params = slot_sharding(mesh), jax.device_put(params, replicated(mesh))
         self.cfg, self.graphdef, self.params, self.config = cfg, graphdef, params, config
         self.state: DecodeState = init_state(cfg, config.num_slots, config.max_length,
                                              with_cache=config.cache_mode is not CacheMode.NONE,
                                              sharding=state_sharding)
+        shards = shards_of(self.state.canvas.sharding)
+        if shards != config.slot_shards:
+            raise ValueError(f"the state sharding splits the slots {shards} ways, the config {config.slot_shards}")
+        if shards > 1 and not all(x.sharding.is_fully_replicated for x in jax.tree.leaves(params)):
+            raise ValueError("slot shards step with a full copy of the weights on every shard: replicate params "
+                             "over the state's mesh")
         self.compiled = compiled if compiled is not None else CompiledSteps(cfg, graphdef)
         self._small = replicated_on(self.state.canvas.sharding)
         self._state_placement = leaf_placement(self.state)  # as placed; outputs keep an equivalent layout
@@ -272,7 +294,9 @@ class SlotDecoder:
         return results  # type: ignore[return-value]
 
     def _shape(self, refresh: bool, slots: list[int], length: int, block: int) -> StepShape:
-        batch = bucket_for(len(slots), self.config.batch_buckets)
+        shards = self.config.slot_shards  # every shard's part of the batch has the fullest shard's bucket
+        part = max(per_shard_counts(slots, self.num_slots, shards)) if shards > 1 else len(slots)
+        batch = shards * bucket_for(part, self.config.shard_batch_buckets)
         mode = self.config.cache_mode
         if mode is CacheMode.NONE:
             return StepShape(StepType.FULL, batch, length, block, length)
@@ -288,15 +312,12 @@ class SlotDecoder:
     def step_arguments(self, shape: StepShape, slots: list[int], taus: list[float]) -> tuple:
         """(slot indices [B], τ [B], batch row of each of `slots`) for a step of `shape`: the slots in
         order then padding (index S, τ 1) — or, for a step that runs on the state where it lies
-        (decoding/steps.py `runs_in_place`), row r = slot r, index S where slot r is not stepped."""
-        n = self.num_slots
-        if runs_in_place(shape, n, self.config.max_length):
-            index, tau = np.full(n, n, np.int32), np.ones(n, np.float32)
-            index[slots], tau[slots] = slots, taus
-            return index, tau, list(slots)
-        pad = shape.batch - len(slots)
-        return (np.asarray(slots + [n] * pad, np.int32), np.asarray(taus + [1.0] * pad, np.float32),
-                list(range(len(slots))))
+        (decoding/steps.py `runs_in_place`), row r = slot r, index S where slot r is not stepped.
+        With slot shards, the same per shard: part d of the batch, indices local to shard d
+        (decoding/slot_shards.py)."""
+        in_place = runs_in_place(shape, self.num_slots, self.config.max_length)
+        shards = self.config.slot_shards
+        return shard_rows(slots, taus, self.num_slots, shards, shape.batch // shards, in_place)
 
     def _run(self, shape: StepShape, slots: list[int], taus: list[float]) -> list[SlotStep]:
         exe = self.compiled.get(shape, self.params, self.state, self._placement)
