@@ -7,7 +7,8 @@ layers and random bf16 weights at canvas 1024, block 32: how the step-cost ratio
 
 With --scaling it instead measures tokens/s against batch size on a fixed random-checkpoint
 workload and where a step's time goes (bench/scaling.py); --against TREE times another source
-tree of this project side by side, interleaved, in the same run.
+tree of this project side by side, interleaved, in the same run; --slot-shards N also times this
+tree with each decoder's slots split over N devices.
 """
 from __future__ import annotations
 
@@ -200,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "answer 128, block 32, one token per step) and the per-step time breakdown")
     p.add_argument("--against", default=None, metavar="TREE",
                    help="with --scaling: also time the dilaserve_jax of this source tree, interleaved with this one")
+    p.add_argument("--slot-shards", type=int, default=1, metavar="N",
+                   help="with --scaling: also time this tree with each decoder's slots split over N devices (host "
+                        "devices on CPU; every side then runs with N), as the side 'shards'")
     p.add_argument("--scaling-batches", type=int, nargs="+", default=[1, 8, 16, 32, 64],
                    help="with --scaling: batch sizes (default 1 8 16 32 64)")
     p.add_argument("--breakdown-batches", type=int, nargs="*", default=[1, 8, 32],
@@ -255,20 +259,27 @@ def scaling_main(args, progress: bool) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.slot_shards < 1:
+        print(f"error: --slot-shards must be positive, got {args.slot_shards}", file=sys.stderr)
+        return 2
     trees = {"this": OWN_TREE}
+    if args.slot_shards > 1:
+        trees["shards"] = OWN_TREE
     if args.against:
         if not (Path(args.against) / "dilaserve_jax" / "__init__.py").exists():
             print(f"error: {args.against} is not a source tree of this project", file=sys.stderr)
             return 2
         trees["against"] = Path(args.against)
     t0 = time.perf_counter()
-    result = run_scaling(cfg, trees, progress)
+    result = run_scaling(cfg, trees, progress, slot_shards={"shards": args.slot_shards})
     if args.json:
         print(json.dumps(result | {"config": asdict(cfg), "seconds": time.perf_counter() - t0}, indent=1, default=str))
     else:
         print("tokens/s = committed tokens per wall second of generate_many, median of "
               f"{cfg.repeats} interleaved rounds after a warm-up; trees: "
-              + "; ".join(f"{k} = {v}" for k, v in result["trees"].items()))
+              + "; ".join(f"{k} = {v}" + (f" ({result['slot_shards'][k]} slot shards)"
+                                          if result["slot_shards"][k] > 1 else "")
+                          for k, v in result["trees"].items()))
         print(format_scaling(result))
     return 0
 

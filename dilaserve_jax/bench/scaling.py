@@ -14,10 +14,16 @@ in each tree back to back, the trees' order alternating between rounds, so both 
 machine load. tokens/s = committed tokens / wall seconds of generate_many; tokens/cpu-s = the same
 tokens / the worker's CPU seconds (all threads), a measure of work that a busy shared machine
 disturbs less than wall time; the median round of each is kept. Digests of the answers must agree across rounds and trees (same greedy tokens).
+
+A side may split its decoders' slots over several devices (`slot_shards`, decoding/slot_shards.py;
+on CPU, host devices): every worker then runs with that many host devices, so the sides differ
+only in how they use them. A side with D shards decodes batch b on ceil(b / D) * D slots (batch 1
+on 2 shards: one real row and one padding row, on the other device).
 """
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -87,10 +93,13 @@ def write_checkpoint(directory: str | Path, seed: int = 0) -> Path:
 class Worker:
     """A scaling_worker.py process importing dilaserve_jax from `tree`."""
 
-    def __init__(self, label: str, tree: str | Path, checkpoint: Path):
-        self.label, self.tree = label, str(tree)
-        self.proc = subprocess.Popen([sys.executable, str(WORKER), self.tree, str(checkpoint)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def __init__(self, label: str, tree: str | Path, checkpoint: Path, slot_shards: int = 1, host_devices: int = 1):
+        self.label, self.tree, self.slot_shards = label, str(tree), slot_shards
+        env = dict(os.environ)
+        if host_devices > 1:  # every worker sees the same devices, whether it splits its slots or not
+            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={host_devices}".strip()
+        self.proc = subprocess.Popen([sys.executable, str(WORKER), self.tree, str(checkpoint), str(slot_shards)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.source = self._read()["ready"]
 
     def _read(self) -> dict:
@@ -113,13 +122,17 @@ class Worker:
 
 
 def run_scaling(cfg: ScalingConfig, trees: dict[str, str | Path], progress: bool = True,
-                checkpoint_dir: str | Path | None = None) -> dict:
-    """Time every (cache, batch) cell in every tree, interleaved; then the per-step breakdowns."""
+                checkpoint_dir: str | Path | None = None, slot_shards: dict[str, int] | None = None) -> dict:
+    """Time every (cache, batch) cell in every tree, interleaved; then the per-step breakdowns.
+    `slot_shards`: label -> slot shards of that side's decoders (default 1); with any above 1,
+    every worker runs on that many host devices."""
     from tqdm.auto import tqdm
 
+    shards = {label: (slot_shards or {}).get(label, 1) for label in trees}
+    devices = max(shards.values())
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = write_checkpoint(checkpoint_dir or tmp, cfg.seed)
-        workers = [Worker(label, tree, checkpoint) for label, tree in trees.items()]
+        workers = [Worker(label, tree, checkpoint, shards[label], devices) for label, tree in trees.items()]
         try:
             cells = [(c, b) for c in cfg.caches for b in cfg.batches]
             shape = {"prompt": cfg.prompt, "answer": cfg.answer, "block": cfg.block, "seed": cfg.seed}
@@ -165,8 +178,8 @@ def run_scaling(cfg: ScalingConfig, trees: dict[str, str | Path], progress: bool
         finally:
             for w in workers:
                 w.close()
-    return {"config": cfg, "trees": {w.label: w.source for w in workers}, "rows": rows, "breakdown": breakdown,
-            "matmul_gflops": matmul_ceiling(cfg)}
+    return {"config": cfg, "trees": {w.label: w.source for w in workers}, "slot_shards": shards, "rows": rows,
+            "breakdown": breakdown, "matmul_gflops": matmul_ceiling(cfg)}
 
 
 def matmul_ceiling(cfg: ScalingConfig) -> dict[int, float]:
@@ -181,21 +194,26 @@ def matmul_ceiling(cfg: ScalingConfig) -> dict[int, float]:
 
 
 def format_scaling(result: dict) -> str:
+    """The tokens/s table; with several sides, each one's ratio to the last (the reference)."""
     labels = list(result["trees"])
+    others, ref = labels[:-1], labels[-1]
+
+    def ratio_head(label: str) -> str:
+        return "ratio" if len(labels) == 2 else f"{label}/{ref}"
+
     head = f"{'cache':<7}{'batch':>6}" + "".join(f"{label + ' tok/s':>16}" for label in labels)
-    if len(labels) > 1:
-        head += f"{'ratio':>8}{'same tokens':>13}"
+    if others:
+        head += "".join(f"{ratio_head(label):>16}" for label in others) + f"{'same tokens':>13}"
     head += "".join(f"{label + ' tok/cpu-s':>18}" for label in labels)
-    if len(labels) > 1:
-        head += f"{'ratio':>8}"
+    head += "".join(f"{ratio_head(label):>16}" for label in others)
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
         line = f"{r['cache']:<7}{r['batch']:>6}" + "".join(f"{r[label]:>16.0f}" for label in labels)
-        if len(labels) > 1:
-            line += f"{r[labels[0]] / r[labels[1]]:>7.2f}x{'yes' if r['same_tokens'] else 'NO':>13}"
+        if others:
+            line += "".join(f"{r[label] / r[ref]:>15.2f}x" for label in others)
+            line += f"{'yes' if r['same_tokens'] else 'NO':>13}"
         line += "".join(f"{r[label + '_cpu']:>18.0f}" for label in labels)
-        if len(labels) > 1:
-            line += f"{r[labels[0] + '_cpu'] / r[labels[1] + '_cpu']:>7.2f}x"
+        line += "".join(f"{r[label + '_cpu'] / r[ref + '_cpu']:>15.2f}x" for label in others)
         lines.append(line)
     if result["breakdown"]:
         stages = list(dict.fromkeys(s for b in result["breakdown"] for s in b["busy_ms"]))

@@ -1,10 +1,12 @@
 """One source tree's side of the batch-scaling benchmark (bench/scaling.py), run as a script:
 
-    python path/to/scaling_worker.py SOURCE_TREE CHECKPOINT
+    python path/to/scaling_worker.py SOURCE_TREE CHECKPOINT [SLOT_SHARDS]
 
 It imports `dilaserve_jax` from SOURCE_TREE (so two trees can be timed side by side in one run),
 loads CHECKPOINT with `load_model` and answers JSON commands, one per line on stdin, with one JSON
-line on stdout. It uses only the decoding API both trees share (SlotDecoder, generate_many).
+line on stdout. It uses only the decoding API both trees share (SlotDecoder, generate_many), and
+with SLOT_SHARDS > 1 decoders whose slots are split over that many devices
+(DecoderConfig.slot_shards; trees that have it).
 
   {"op": "generate", "cache": "dual", "batch": 8, "prompt": 32, "answer": 128, "block": 32, "seed": 0}
       -> {"seconds", "cpu_seconds", "tokens", "digest"}: one generate_many over `batch` requests
@@ -35,6 +37,7 @@ def _load_step_profile():
 
 def main() -> int:
     tree, checkpoint = sys.argv[1], sys.argv[2]
+    shards = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     sys.path.insert(0, tree)
     import numpy as np
 
@@ -48,10 +51,14 @@ def main() -> int:
     model = load_model(checkpoint)
     decoders: dict[tuple, SlotDecoder] = {}
 
+    def slots_for(batch: int) -> int:  # every shard holds as many slots (batch 1 on 2 shards: 2 slots)
+        return -(-batch // shards) * shards
+
     def decoder(cmd: dict, slots: int) -> SlotDecoder:
         length = cmd["prompt"] + cmd["answer"]
+        split = {"slot_shards": shards} if shards > 1 else {}
         return SlotDecoder(model.config, model.graphdef, model.params,
-                           DecoderConfig(slots, (length,), (cmd["block"],), cmd["cache"]),
+                           DecoderConfig(slots, (length,), (cmd["block"],), cmd["cache"], **split),
                            warm_up=False, progress=False)
 
     def requests(cmd: dict) -> list:
@@ -67,7 +74,7 @@ def main() -> int:
         if cmd["op"] == "generate":
             key = (cmd["cache"], cmd["batch"], cmd["prompt"], cmd["answer"], cmd["block"])
             if key not in decoders:
-                decoders[key] = decoder(cmd, cmd["batch"])
+                decoders[key] = decoder(cmd, slots_for(cmd["batch"]))
             cpu0 = time.process_time()
             results, stats = generate_many(decoders[key], requests(cmd))
             cpu = time.process_time() - cpu0
@@ -78,7 +85,7 @@ def main() -> int:
             profile = _load_step_profile()
             reply = {}
             for kind, refresh in (("refresh", True), ("reuse", False)):
-                dec = decoder(cmd, cmd["batch"])  # throwaway: direct executable calls bypass its mirror
+                dec = decoder(cmd, slots_for(cmd["batch"]))  # throwaway: direct executable calls bypass its mirror
                 slots = list(range(cmd["batch"]))
                 for slot, req in zip(slots, requests(cmd)):
                     dec.admit(slot, req.prompt, req.answer_length, req.block_length)

@@ -54,13 +54,16 @@ def _executable(decoder: SlotDecoder, refresh: bool, slots: list[int]):
     return shape, decoder.compiled.get(shape, decoder.params, decoder.state, decoder._placement)
 
 
-def _arguments(decoder: SlotDecoder, shape, slots: list[int], taus: list[float]):
+def _arguments(decoder: SlotDecoder, shape, slots: list[int], taus: list[float], executable):
+    """The step's slot indices and τ, on the devices and with the shardings `executable` takes them
+    (replicated, or split by slot shard)."""
     if hasattr(decoder, "step_arguments"):
         index, tau, _ = decoder.step_arguments(shape, slots, taus)
     else:  # a source tree from before step_arguments (timed side by side): slots in order, then padding
         pad = shape.batch - len(slots)
         index, tau = slots + [decoder.num_slots] * pad, taus + [1.0] * pad
-    return put_small(index, np.int32, decoder._small), put_small(tau, np.float32, decoder._small)
+    index_sharding, tau_sharding = executable.input_shardings[0][-2:]
+    return put_small(index, np.int32, index_sharding), put_small(tau, np.float32, tau_sharding)
 
 
 def time_step_parts(decoder: SlotDecoder, refresh: bool, slots: list[int], repeats: int = 5) -> dict:
@@ -75,7 +78,7 @@ def time_step_parts(decoder: SlotDecoder, refresh: bool, slots: list[int], repea
     taus = [1.0] * len(slots)
     decoder.step(refresh, slots, taus)  # the first call of a shape may do one-off work
     shape, exe = _executable(decoder, refresh, slots)
-    args = _arguments(decoder, shape, slots, taus)
+    args = _arguments(decoder, shape, slots, taus, exe)
     jax.block_until_ready(args)
     step, outside, compiled, copy = [], [], [], []
     inner: list[float] = []
@@ -185,7 +188,7 @@ def stage_profile(decoder: SlotDecoder, refresh: bool, slots: list[int], repeats
     taus = [1.0] * len(slots)
     shape, exe = _executable(decoder, refresh, slots)
     stages = hlo_stages(exe.as_text())
-    args = _arguments(decoder, shape, slots, taus)
+    args = _arguments(decoder, shape, slots, taus, exe)
     decoder.state, out = exe(decoder.params, decoder.state, *args)
     jax.block_until_ready(out)
     with tempfile.TemporaryDirectory() as tmp:
@@ -207,5 +210,6 @@ def stage_profile(decoder: SlotDecoder, refresh: bool, slots: list[int], repeats
     kinds = {kind: per_kind.get(kind, 0.0) / 1e3 / repeats for kind in OP_KINDS}
     cost = exe.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    return {"busy_ms": busy, "kind_busy_ms": kinds, "flops": float(cost.get("flops", 0.0)),
-            "bytes_accessed": float(cost.get("bytes accessed", 0.0))}
+    shards = getattr(decoder.config, "slot_shards", 1)  # a slot-sharded step's cost analysis is one shard's
+    return {"busy_ms": busy, "kind_busy_ms": kinds, "flops": shards * float(cost.get("flops", 0.0)),
+            "bytes_accessed": shards * float(cost.get("bytes accessed", 0.0))}
