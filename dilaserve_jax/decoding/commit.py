@@ -38,7 +38,7 @@ def propose(logits, mask_id: int, temperature, keys):
         return jnp.where(sampling[:, None], sampled, greedy)
 
     # Gumbel noise for every row and vocabulary entry (threefry bits, two logs) was a measurable
-    # share of a greedy step (docs/decoding.md), so an all-greedy batch skips drawing it; a
+    # share of a greedy step (docs/decode_throughput.md), so an all-greedy batch skips drawing it; a
     # sampling row draws the same noise whatever shares its batch.
     tokens = jax.lax.cond(jnp.any(sampling), with_sampling, lambda: greedy)
     picked = jnp.take_along_axis(shifted, tokens[..., None], axis=-1)[..., 0]

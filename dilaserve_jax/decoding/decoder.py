@@ -325,7 +325,7 @@ class SlotDecoder:
         # Host arrays go to the executable as they are: its own argument transfer (to the input
         # sharding it was compiled for) costs a fraction of a separate device_put per argument.
         self.state, out = exe(self.params, self.state, index, tau)
-        # np.asarray per field, not jax.device_get: half the host time of a batch-1 step (docs/decoding.md)
+        # np.asarray per field, not jax.device_get: half the host time of a batch-1 step (docs/decode_throughput.md)
         out = type(out)(*(np.asarray(field) for field in out))
         results = []
         for row, slot in zip(rows, slots):

@@ -10,7 +10,7 @@ canvas, gathers its slots' rows (canvas, scalars and, for a reuse step, K/V) out
 slot-major state. A step whose batch bucket is every slot and whose canvas is the state's whole
 length runs on the state where it lies: batch row r is slot r, and `slots[r]` is r for a slot in
 the step and S for one that is not. That gather would copy the whole K/V cache every reuse step,
-which at large batch no longer fits the CPU caches and cost a fifth of the step (docs/decoding.md).
+which at large batch no longer fits the CPU caches and cost a fifth of the step (docs/decode_throughput.md).
 
 What a step writes into the (donated) state, so that its cost follows the work and not the canvas:
 - every step: the commit window of each stepped slot's canvas row, and its block start, τ and

@@ -19,7 +19,7 @@ def resolve_attention(impl: str) -> str:
 
 # Float32 scores one XLA attention call materialises at a time. A refresh at batch 32 on a 160-token
 # canvas makes 26 MB of scores per layer, which spill out of the CPU caches and ran 2.5x slower than
-# the same rows taken four at a time (docs/decoding.md); a few MB stay cache-sized.
+# the same rows taken four at a time (docs/decode_throughput.md); a few MB stay cache-sized.
 SCORE_CHUNK_BYTES = 4 << 20
 
 
