@@ -42,11 +42,24 @@ def test_table_shows_both_trees_and_flags_different_tokens():
     assert table.splitlines()[-1].split() == ["M=32:", "90", "M=256:", "180"]
 
 
+def test_table_with_three_sides_gives_each_ratio_against_the_last():
+    row = {"cache": "dual", "batch": 32, "this": 600.0, "shards": 750.0, "against": 500.0, "this_cpu": 300.0,
+           "shards_cpu": 330.0, "against_cpu": 250.0, "same_tokens": True}
+    table = format_scaling({"trees": {"this": "a", "shards": "a", "against": "b"}, "rows": [row], "breakdown": []})
+    head, _, line = table.splitlines()[:3]
+    assert "this/against" in head and "shards/against" in head
+    assert line.split() == ["dual", "32", "600", "750", "500", "1.20x", "1.50x", "yes", "300", "330", "250",
+                            "1.20x", "1.32x"]
+
+
 @pytest.mark.slow
 def test_two_workers_of_one_tree_agree_token_for_token(tmp_path):
+    """One of them with its slots split over 2 host devices (both workers then get 2 devices)."""
     cfg = ScalingConfig(batches=(2,), caches=("dual",), prompt=4, answer=16, block=16, repeats=1,
                         breakdown_batches=(1,))
-    result = run_scaling(cfg, {"this": OWN_TREE, "again": OWN_TREE}, progress=False, checkpoint_dir=tmp_path)
+    result = run_scaling(cfg, {"this": OWN_TREE, "again": OWN_TREE}, progress=False, checkpoint_dir=tmp_path,
+                         slot_shards={"again": 2})
+    assert result["slot_shards"] == {"this": 1, "again": 2}
     assert [(r["cache"], r["batch"]) for r in result["rows"]] == [("dual", 2)]
     assert all(r["same_tokens"] and r["this"] > 0 and r["again"] > 0 for r in result["rows"])
     kinds = {(b["tree"], b["kind"]) for b in result["breakdown"]}

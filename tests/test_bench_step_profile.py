@@ -67,3 +67,18 @@ def test_step_timing_and_stage_profile_of_a_real_step(decoder_after_refresh):
     assert sum(profile["kind_busy_ms"].values()) == pytest.approx(sum(busy.values()))
     assert profile["flops"] > 0 and profile["bytes_accessed"] > 0
     assert np.isfinite(list(busy.values())).all()
+
+
+@pytest.mark.slow
+def test_a_slot_sharded_step_is_timed_and_counted_over_both_shards(decoder_after_refresh):
+    one = decoder_after_refresh
+    m = load_model("test")
+    dec = SlotDecoder(m.config, m.graphdef, m.params, DecoderConfig(2, (32,), (8,), "dual", slot_shards=2),
+                      warm_up=False, progress=False)
+    for slot in range(2):
+        dec.admit(slot, [5, 6, 7, 8], 28, 8)
+    dec.step(True, [0, 1], [1.0, 1.0])
+    parts = time_step_parts(dec, False, [0, 1], repeats=1)  # arguments land split by shard, as compiled
+    assert 0 < parts["outside_ms"] < parts["step_ms"]
+    flops = stage_profile(dec, False, [0, 1], repeats=1)["flops"]
+    assert flops == pytest.approx(stage_profile(one, False, [0, 1], repeats=1)["flops"], rel=0.05)

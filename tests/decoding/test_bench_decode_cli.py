@@ -26,3 +26,10 @@ def test_table_marks_missing_reuse_steps():
             "reuse_ms": 3.0, "refresh_over_reuse": 3.0}
     table = format_tables([row], [step])
     assert "none" in table and "tiny (4 layers)" in table and " - " in table.splitlines()[2] + " "
+
+
+def test_scaling_rejects_a_non_positive_slot_shard_count(capsys):
+    from dilaserve_jax.bench.decode import main
+
+    assert main(["--scaling", "--slot-shards", "0", "--no-progress"]) == 2
+    assert "--slot-shards must be positive" in capsys.readouterr().err
