@@ -97,7 +97,8 @@ class Worker:
         self.label, self.tree, self.slot_shards = label, str(tree), slot_shards
         env = dict(os.environ)
         if host_devices > 1:  # every worker sees the same devices, whether it splits its slots or not
-            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={host_devices}".strip()
+            flag = f"--xla_force_host_platform_device_count={host_devices}"
+            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
         self.proc = subprocess.Popen([sys.executable, str(WORKER), self.tree, str(checkpoint), str(slot_shards)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.source = self._read()["ready"]
