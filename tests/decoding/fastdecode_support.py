@@ -13,20 +13,23 @@ def prompts(n: int, seed: int = 0, lo: int = 6, hi: int = 20) -> list[list[int]]
 
 
 def run_to_end(decoder: SlotDecoder, slot_taus: dict[int, float], force_refresh: bool = False,
-               refresh_group_first: bool = True) -> dict[int, list[int]]:
-    """Step the given admitted slots to completion together; returns each slot's commits per step."""
+               refresh_group_first: bool = True, groups: list[list[int]] | None = None) -> dict[int, list[int]]:
+    """Step the given admitted slots to completion together; returns each slot's commits per step.
+    `groups`: step these sets of slots one after another in every round (default: all together)."""
     per_step: dict[int, list[int]] = {s: [] for s in slot_taus}
     live = set(slot_taus)
     while live:
-        need = sorted(s for s in live if force_refresh or decoder.needs_refresh(s))
-        rest = sorted(live - set(need))
-        for refresh, group in ((True, need), (False, rest)):
-            if not group:
-                continue
-            for out in decoder.step(refresh, group, [slot_taus[s] for s in group]):
-                per_step[out.slot].append(out.n_committed)
-                if out.request_finished:
-                    live.discard(out.slot)
+        for members in groups or [list(slot_taus)]:
+            live_here = live & set(members)
+            need = sorted(s for s in live_here if force_refresh or decoder.needs_refresh(s))
+            rest = sorted(live_here - set(need))
+            for refresh, group in ((True, need), (False, rest)):
+                if not group:
+                    continue
+                for out in decoder.step(refresh, group, [slot_taus[s] for s in group]):
+                    per_step[out.slot].append(out.n_committed)
+                    if out.request_finished:
+                        live.discard(out.slot)
     return per_step
 
 

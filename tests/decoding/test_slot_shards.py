@@ -60,22 +60,11 @@ def test_config_checks_the_split():
 
 
 def _decode(dec: SlotDecoder, schedule: list[list[int]], reqs: list, taus: dict[int, float]):
-    """Admit reqs[i] into slot i, then step the slots in the groups of `schedule` (each group one
-    step of whichever kind its slots need) until all finish; returns answers and commits per step."""
+    """Admit reqs[i] into slot i, then step the slots in the groups of `schedule` until all finish;
+    returns answers and commits per step."""
     for slot, (prompt, gen) in enumerate(reqs):
         dec.admit(slot, prompt, gen, BLOCK)
-    live, commits = set(range(len(reqs))), {s: [] for s in range(len(reqs))}
-    while live:
-        for group in schedule:
-            group = [s for s in group if s in live]
-            for refresh in (True, False):
-                kind = [s for s in group if dec.needs_refresh(s) == refresh]
-                if not kind:
-                    continue
-                for out in dec.step(refresh, kind, [taus[s] for s in kind]):
-                    commits[out.slot].append(out.n_committed)
-                    if out.request_finished:
-                        live.discard(out.slot)
+    commits = run_to_end(dec, taus, groups=schedule)
     return [dec.answer(s) for s in range(len(reqs))], commits
 
 
