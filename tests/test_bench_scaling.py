@@ -52,6 +52,33 @@ def test_table_with_three_sides_gives_each_ratio_against_the_last():
                             "1.20x", "1.32x"]
 
 
+def test_a_side_left_out_of_a_cell_shows_a_dash():
+    row = {"cache": "dual", "batch": 1, "this": 200.0, "procs": None, "against": 100.0, "this_cpu": 150.0,
+           "procs_cpu": None, "against_cpu": 120.0, "same_tokens": True}
+    table = format_scaling({"trees": {"this": "a", "procs": "a", "against": "b"}, "rows": [row], "breakdown": []})
+    assert table.splitlines()[2].split() == ["dual", "1", "200", "-", "100", "2.00x", "-", "yes", "150", "-", "120",
+                                             "1.25x", "-"]
+
+
+def test_process_count_must_be_positive():
+    with pytest.raises(ValueError, match="processes"):
+        run_scaling(ScalingConfig(), {"this": OWN_TREE}, progress=False, processes=0)
+
+
+@pytest.mark.slow
+def test_processes_split_a_cell_and_decode_what_one_process_does(tmp_path):
+    """Two worker processes, each decoding half of a batch-4 cell, commit the same tokens as one
+    worker decoding all four rows; batch 1 is left out for them (2 does not divide it)."""
+    cfg = ScalingConfig(batches=(1, 4), caches=("dual",), prompt=4, answer=8, block=8, repeats=1,
+                        breakdown_batches=())
+    result = run_scaling(cfg, {"this": OWN_TREE}, progress=False, checkpoint_dir=tmp_path, processes=2)
+    assert list(result["trees"]) == ["this", "procs"]
+    one, four = result["rows"]
+    assert one["procs"] is None and one["this"] > 0 and one["same_tokens"]
+    assert four["procs"] > 0 and four["procs_cpu"] > 0 and four["same_tokens"]
+    assert result["breakdown"] == []
+
+
 @pytest.mark.slow
 def test_two_workers_of_one_tree_agree_token_for_token(tmp_path):
     """One of them with its slots split over 2 host devices (both workers then get 2 devices)."""

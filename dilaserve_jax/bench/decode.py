@@ -204,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slot-shards", type=int, default=1, metavar="N",
                    help="with --scaling: also time this tree with each decoder's slots split over N devices (host "
                         "devices on CPU; every side then runs with N), as the side 'shards'")
+    p.add_argument("--processes", type=int, default=1, metavar="P",
+                   help="with --scaling: also time P independent worker processes of this tree, each decoding "
+                        "batch / P of a cell's requests at once, as the side 'procs' (what the machine does with "
+                        "the work split and no coordination; cells P does not divide show '-')")
     p.add_argument("--scaling-batches", type=int, nargs="+", default=[1, 8, 16, 32, 64],
                    help="with --scaling: batch sizes (default 1 8 16 32 64)")
     p.add_argument("--breakdown-batches", type=int, nargs="*", default=[1, 8, 32],
@@ -259,9 +263,10 @@ def scaling_main(args, progress: bool) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if args.slot_shards < 1:
-        print(f"error: --slot-shards must be positive, got {args.slot_shards}", file=sys.stderr)
-        return 2
+    for flag, value in (("--slot-shards", args.slot_shards), ("--processes", args.processes)):
+        if value < 1:
+            print(f"error: {flag} must be positive, got {value}", file=sys.stderr)
+            return 2
     trees = {"this": OWN_TREE}
     if args.slot_shards > 1:
         trees["shards"] = OWN_TREE
@@ -271,7 +276,7 @@ def scaling_main(args, progress: bool) -> int:
             return 2
         trees["against"] = Path(args.against)
     t0 = time.perf_counter()
-    result = run_scaling(cfg, trees, progress, slot_shards={"shards": args.slot_shards})
+    result = run_scaling(cfg, trees, progress, slot_shards={"shards": args.slot_shards}, processes=args.processes)
     if args.json:
         print(json.dumps(result | {"config": asdict(cfg), "seconds": time.perf_counter() - t0}, indent=1, default=str))
     else:
@@ -279,6 +284,7 @@ def scaling_main(args, progress: bool) -> int:
               f"{cfg.repeats} interleaved rounds after a warm-up; trees: "
               + "; ".join(f"{k} = {v}" + (f" ({result['slot_shards'][k]} slot shards)"
                                           if result["slot_shards"][k] > 1 else "")
+                          + (f" ({args.processes} processes, batch / {args.processes} rows each)" if k == "procs" else "")
                           for k, v in result["trees"].items()))
         print(format_scaling(result))
     return 0

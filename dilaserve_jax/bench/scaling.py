@@ -19,6 +19,14 @@ A side may split its decoders' slots over several devices (`slot_shards`, decodi
 on CPU, host devices): every worker then runs with that many host devices, so the sides differ
 only in how they use them. A side with D shards decodes batch b on ceil(b / D) * D slots (batch 1
 on 2 shards: one real row and one padding row, on the other device).
+
+A side may also be P independent worker processes of this tree (`processes`, the side "procs"):
+each decodes its own batch / P of the cell's requests on its own decoder, all at once, and the
+side's tokens/s is every process's tokens over the wall time from the first command sent to the
+last reply. No process waits for another or shares anything with it, so this is what the machine
+does with the work when it is split with no coordination at all: where its curve goes flat, the
+machine is saturated, whatever one process does. A cell whose batch P does not divide is left out
+("-") for that side; its digest covers the processes' answers in request order.
 """
 from __future__ import annotations
 
@@ -28,9 +36,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dilaserve_jax.bench.scaling_worker import answers_digest
 from dilaserve_jax.models.config import ModelConfig
 
 WORKER = Path(__file__).with_name("scaling_worker.py")
@@ -109,32 +119,79 @@ class Worker:
             raise RuntimeError(f"the {self.label} worker ({self.tree}) exited with {self.proc.wait()}")
         return json.loads(line)
 
-    def ask(self, **cmd) -> dict:
+    def send(self, **cmd) -> None:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
+
+    def receive(self) -> dict:
         reply = self._read()
         if "error" in reply:
             raise RuntimeError(f"{self.label}: {reply['error']}")
         return reply
+
+    def ask(self, **cmd) -> dict:
+        self.send(**cmd)
+        return self.receive()
+
+    def generate(self, batch: int, **cmd) -> dict:
+        return self.ask(op="generate", batch=batch, **cmd)
 
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait()
 
 
+class ProcessGroup:
+    """P workers of one tree that decode one cell together, each its own batch / P requests, at once
+    (the "procs" side; see the module docstring)."""
+
+    def __init__(self, label: str, workers: list[Worker]):
+        self.label, self.workers = label, workers
+        self.source = workers[0].source
+
+    def generate(self, batch: int, **cmd) -> dict | None:
+        count = len(self.workers)
+        if batch % count:
+            return None
+        part = batch // count
+        t0 = time.perf_counter()
+        for i, w in enumerate(self.workers):
+            w.send(op="generate", batch=batch, rows=[i * part, (i + 1) * part], answers=True, **cmd)
+        replies = [w.receive() for w in self.workers]
+        seconds = time.perf_counter() - t0
+        answers = [a for r in replies for a in r["answers"]]
+        return {"seconds": seconds, "cpu_seconds": sum(r["cpu_seconds"] for r in replies),
+                "tokens": sum(r["tokens"] for r in replies), "digest": answers_digest(answers)}
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+
+
 def run_scaling(cfg: ScalingConfig, trees: dict[str, str | Path], progress: bool = True,
-                checkpoint_dir: str | Path | None = None, slot_shards: dict[str, int] | None = None) -> dict:
+                checkpoint_dir: str | Path | None = None, slot_shards: dict[str, int] | None = None,
+                processes: int = 1) -> dict:
     """Time every (cache, batch) cell in every tree, interleaved; then the per-step breakdowns.
     `slot_shards`: label -> slot shards of that side's decoders (default 1); with any above 1,
-    every worker runs on that many host devices."""
+    every worker runs on that many host devices. `processes` > 1 adds the side "procs": that many
+    independent workers of this tree splitting each cell, placed before the last side when there
+    are several (the last stays the reference of the ratios)."""
     from tqdm.auto import tqdm
 
+    if processes < 1:
+        raise ValueError(f"processes must be positive, got {processes}")
     shards = {label: (slot_shards or {}).get(label, 1) for label in trees}
     devices = max(shards.values())
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = write_checkpoint(checkpoint_dir or tmp, cfg.seed)
-        workers = [Worker(label, tree, checkpoint, shards[label], devices) for label, tree in trees.items()]
+        workers: list = []
         try:
+            workers += [Worker(label, tree, checkpoint, shards[label], devices) for label, tree in trees.items()]
+            if processes > 1:
+                group = ProcessGroup("procs", [Worker(f"procs[{i}]", OWN_TREE, checkpoint, 1, devices)
+                                               for i in range(processes)])
+                workers.insert(max(len(workers) - 1, 1), group)
+                shards["procs"] = 1
             cells = [(c, b) for c in cfg.caches for b in cfg.batches]
             shape = {"prompt": cfg.prompt, "answer": cfg.answer, "block": cfg.block, "seed": cfg.seed}
             runs: dict[tuple, list[dict]] = {}
@@ -149,7 +206,10 @@ def run_scaling(cfg: ScalingConfig, trees: dict[str, str | Path], progress: bool
                         # what is left of the answer (a short answer would not compile them all).
                         short = rnd == 0 and cache != "prefix"
                         warm_up = {"run_answer": min(cfg.block, cfg.answer)} if short else {}
-                        reply = w.ask(op="generate", cache=cache, batch=batch, **shape, **warm_up)
+                        reply = w.generate(batch, cache=cache, **shape, **warm_up)
+                        if reply is None:  # a process group whose size does not divide the batch
+                            bar.update(1)
+                            continue
                         if rnd and reply["tokens"] != batch * cfg.answer:
                             raise RuntimeError(f"{w.label} {cache} b{batch}: {reply['tokens']} tokens committed, "
                                                f"expected {batch * cfg.answer} (a row finished early)")
@@ -162,7 +222,11 @@ def run_scaling(cfg: ScalingConfig, trees: dict[str, str | Path], progress: bool
                 row = {"cache": cache, "batch": batch}
                 digests = set()
                 for w in workers:
-                    got = runs[(w.label, cache, batch)]
+                    got = runs.get((w.label, cache, batch))
+                    if not got:  # left out for this side
+                        row[w.label] = row[w.label + "_cpu"] = None
+                        row[w.label + "_all"] = []
+                        continue
                     row[w.label] = statistics.median(r["tokens"] / r["seconds"] for r in got)
                     row[w.label + "_all"] = [r["tokens"] / r["seconds"] for r in got]
                     row[w.label + "_cpu"] = statistics.median(r["tokens"] / r["cpu_seconds"] for r in got)
@@ -173,6 +237,8 @@ def run_scaling(cfg: ScalingConfig, trees: dict[str, str | Path], progress: bool
             for cache in cfg.breakdown_caches:
                 for batch in cfg.breakdown_batches:
                     for w in workers:
+                        if isinstance(w, ProcessGroup):  # its steps are this tree's one-device steps
+                            continue
                         parts = w.ask(op="breakdown", cache=cache, batch=batch, repeats=BREAKDOWN_REPEATS, **shape)
                         breakdown.extend({"tree": w.label, "cache": cache, "batch": batch, "kind": kind, **p}
                                          for kind, p in parts.items())
@@ -194,6 +260,14 @@ def matmul_ceiling(cfg: ScalingConfig) -> dict[int, float]:
     return {m: dense_matmul_rate(m, SCALING_MODEL.d_model, SCALING_MODEL.mlp_hidden) for m in rows}
 
 
+def _cell(value: float | None, width: int) -> str:  # a side left out of a cell shows "-"
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.0f}"
+
+
+def _ratio(value: float | None, ref: float | None) -> str:
+    return f"{'-':>16}" if value is None or ref is None else f"{value / ref:>15.2f}x"
+
+
 def format_scaling(result: dict) -> str:
     """The tokens/s table; with several sides, each one's ratio to the last (the reference)."""
     labels = list(result["trees"])
@@ -209,12 +283,12 @@ def format_scaling(result: dict) -> str:
     head += "".join(f"{ratio_head(label):>16}" for label in others)
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
-        line = f"{r['cache']:<7}{r['batch']:>6}" + "".join(f"{r[label]:>16.0f}" for label in labels)
+        line = f"{r['cache']:<7}{r['batch']:>6}" + "".join(_cell(r[label], 16) for label in labels)
         if others:
-            line += "".join(f"{r[label] / r[ref]:>15.2f}x" for label in others)
+            line += "".join(_ratio(r[label], r[ref]) for label in others)
             line += f"{'yes' if r['same_tokens'] else 'NO':>13}"
-        line += "".join(f"{r[label + '_cpu']:>18.0f}" for label in labels)
-        line += "".join(f"{r[label + '_cpu'] / r[ref + '_cpu']:>15.2f}x" for label in others)
+        line += "".join(_cell(r[label + "_cpu"], 18) for label in labels)
+        line += "".join(_ratio(r[label + "_cpu"], r[ref + "_cpu"]) for label in others)
         lines.append(line)
     if result["breakdown"]:
         stages = list(dict.fromkeys(s for b in result["breakdown"] for s in b["busy_ms"]))

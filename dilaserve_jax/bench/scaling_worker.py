@@ -13,7 +13,9 @@ with SLOT_SHARDS > 1 decoders whose slots are split over that many devices
       (τ 1, greedy) on a decoder with `batch` slots, built on first use; cpu_seconds is the process's
       CPU time meanwhile (all threads); digest hashes every answer in order. An optional
       "run_answer" decodes answers of that length instead on the same decoder (same canvas bucket,
-      same executables): a cheaper warm-up.
+      same executables): a cheaper warm-up. An optional "rows": [start, stop] decodes only those
+      requests of the `batch` (on a decoder with stop - start slots), and "answers": true adds the
+      answers themselves: how several workers split one cell between them (bench/scaling.py).
   {"op": "breakdown", ...same keys..., "repeats": 5}
       -> bench/step_profile.py's timings of one refresh and one reuse step of that shape, loaded
       from the benchmark's own tree (the stage split needs the named scopes of that tree's steps).
@@ -26,6 +28,11 @@ import json
 import sys
 import time
 from pathlib import Path
+
+
+def answers_digest(answers) -> str:
+    """A short hash of the answers in order (token lists), as every side of the benchmark computes it."""
+    return hashlib.sha256(json.dumps([list(a) for a in answers]).encode()).hexdigest()[:16]
 
 
 def _load_step_profile():
@@ -72,15 +79,18 @@ def main() -> int:
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "generate":
-            key = (cmd["cache"], cmd["batch"], cmd["prompt"], cmd["answer"], cmd["block"])
+            start, stop = cmd.get("rows", (0, cmd["batch"]))
+            key = (cmd["cache"], stop - start, cmd["prompt"], cmd["answer"], cmd["block"])
             if key not in decoders:
-                decoders[key] = decoder(cmd, slots_for(cmd["batch"]))
+                decoders[key] = decoder(cmd, slots_for(stop - start))
             cpu0 = time.process_time()
-            results, stats = generate_many(decoders[key], requests(cmd))
+            results, stats = generate_many(decoders[key], requests(cmd)[start:stop])
             cpu = time.process_time() - cpu0
-            digest = hashlib.sha256(json.dumps([r.answer for r in results]).encode()).hexdigest()[:16]
-            reply = {"seconds": stats.wall_seconds, "cpu_seconds": cpu, "tokens": stats.committed, "digest": digest,
-                     "answer_tokens": [len(r.answer) for r in results]}
+            answers = [r.answer for r in results]
+            reply = {"seconds": stats.wall_seconds, "cpu_seconds": cpu, "tokens": stats.committed,
+                     "digest": answers_digest(answers), "answer_tokens": [len(a) for a in answers]}
+            if cmd.get("answers"):
+                reply["answers"] = [list(a) for a in answers]
         elif cmd["op"] == "breakdown":
             profile = _load_step_profile()
             reply = {}

@@ -28,8 +28,10 @@ def test_table_marks_missing_reuse_steps():
     assert "none" in table and "tiny (4 layers)" in table and " - " in table.splitlines()[2] + " "
 
 
-def test_scaling_rejects_a_non_positive_slot_shard_count(capsys):
+def test_scaling_rejects_non_positive_slot_shard_and_process_counts(capsys):
     from dilaserve_jax.bench.decode import main
 
     assert main(["--scaling", "--slot-shards", "0", "--no-progress"]) == 2
     assert "--slot-shards must be positive" in capsys.readouterr().err
+    assert main(["--scaling", "--processes", "0", "--no-progress"]) == 2
+    assert "--processes must be positive, got 0" in capsys.readouterr().err
