@@ -52,6 +52,21 @@ def test_table_with_three_sides_gives_each_ratio_against_the_last():
                             "1.20x", "1.32x"]
 
 
+def test_largest_operations_are_listed_under_the_steps_that_have_them():
+    step = {"tree": "this", "cache": "dual", "batch": 32, "kind": "reuse", "step_ms": 60.0, "compiled_ms": 59.0,
+            "outside_ms": 1.0, "step_min_ms": 58.0, "compiled_min_ms": 57.0, "outside_min_ms": 0.9,
+            "result_copy_ms": 0.1, "busy_ms": {"layers": 50.0}, "flops": 8e9, "bytes_accessed": 5e8,
+            "top_ops": [{"name": "ynn_fusion.34", "stage": "layers", "kind": "matmul", "busy_ms": 4.17,
+                         "what": "dot_general"}]}
+    lines = format_scaling({"trees": {"this": "a"}, "rows": [], "breakdown": [step, {**step, "top_ops": []}]})
+    lines = lines.splitlines()
+    at = lines.index("largest operations: this dual batch 32 reuse (busy ms per step, stage, kind, what)")
+    assert lines[at + 1].split() == ["4.17", "layers", "matmul", "ynn_fusion.34", "dot_general"]
+    assert sum(line.startswith("largest operations") for line in lines) == 1
+    with pytest.raises(ValueError, match="top_ops"):
+        ScalingConfig(top_ops=-1)
+
+
 def test_a_side_left_out_of_a_cell_shows_a_dash():
     row = {"cache": "dual", "batch": 1, "this": 200.0, "procs": None, "against": 100.0, "this_cpu": 150.0,
            "procs_cpu": None, "against_cpu": 120.0, "same_tokens": True}

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from dilaserve_jax.bench.step_profile import (OP_KINDS, OTHER, _exclusive_by_name, hlo_stages, op_kind, stage_profile,
-                                              time_step_parts)
+from dilaserve_jax.bench.step_profile import (OP_KINDS, OTHER, _exclusive_by_name, _what, hlo_op_names,
+                                              hlo_result_shapes, hlo_stages, op_kind, stage_profile, time_step_parts)
 from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
 from dilaserve_jax.decoding.steps import STAGES
 from dilaserve_jax.models import load_model
@@ -20,6 +20,16 @@ def test_hlo_instructions_take_the_innermost_named_stage():
     stages = hlo_stages(HLO)
     assert stages == {"gather_fusion.3": "state_gather", "ynn_fusion.2": "layers", "tuple.1": "commit",
                       "copy.7": OTHER}
+
+
+def test_op_names_and_what_an_operation_computes():
+    names = hlo_op_names(HLO)
+    assert names["ynn_fusion.2"] == "jit(fn)/layers/proposal_like/dot_general"
+    assert _what(names["ynn_fusion.2"]) == "proposal_like/dot_general"
+    assert _what("jit(fn)/layers/while/body/closed_call/bqkgd,blkd->bkgql/dot_general") == \
+        "bqkgd,blkd->bkgql/dot_general"
+    assert _what("jit(fn)/commit") == "jit(fn)/commit"  # nothing past the stage: the whole name
+    assert hlo_result_shapes(HLO) == {"gather_fusion.3": "f32[2,8]", "ynn_fusion.2": "f32[4,8]", "copy.7": "s32[]"}
 
 
 def test_op_kinds_from_instruction_names():
@@ -67,6 +77,11 @@ def test_step_timing_and_stage_profile_of_a_real_step(decoder_after_refresh):
     assert sum(profile["kind_busy_ms"].values()) == pytest.approx(sum(busy.values()))
     assert profile["flops"] > 0 and profile["bytes_accessed"] > 0
     assert np.isfinite(list(busy.values())).all()
+    assert profile["top_ops"] == []  # none asked for
+    top = stage_profile(dec, False, [0, 1], repeats=1, top_ops=3)["top_ops"]
+    assert len(top) == 3 and [op["busy_ms"] for op in top] == sorted((op["busy_ms"] for op in top), reverse=True)
+    assert all(op["stage"] in (*STAGES, OTHER) and op["kind"] in OP_KINDS and op["what"] for op in top)
+    assert top[0]["busy_ms"] > 0
 
 
 @pytest.mark.slow

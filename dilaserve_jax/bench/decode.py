@@ -214,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --scaling: batch sizes of the per-step breakdown (default 1 8 32; none to skip)")
     p.add_argument("--breakdown-caches", nargs="+", default=["dual"], choices=CACHES,
                    help="with --scaling: cache modes of the per-step breakdown (default dual)")
+    p.add_argument("--top-ops", type=int, default=0, metavar="N",
+                   help="with --scaling: also list the N largest XLA operations of every breakdown step (default 0)")
     p.add_argument("--repeats", type=int, default=3, help="with --scaling: timed rounds after warm-up (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
@@ -259,7 +261,7 @@ def scaling_main(args, progress: bool) -> int:
     try:
         cfg = ScalingConfig(tuple(args.scaling_batches), tuple(args.caches), block=args.block_length,
                             repeats=args.repeats, breakdown_batches=tuple(args.breakdown_batches),
-                            breakdown_caches=tuple(args.breakdown_caches))
+                            breakdown_caches=tuple(args.breakdown_caches), top_ops=args.top_ops)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

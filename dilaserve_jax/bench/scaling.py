@@ -67,12 +67,15 @@ class ScalingConfig:
     breakdown_batches: tuple[int, ...] = (1, 8, 32)
     breakdown_caches: tuple[str, ...] = ("dual",)
     seed: int = 0
+    top_ops: int = 0  # the largest XLA operations of each breakdown step to list
 
     def __post_init__(self):
         if not self.batches or min(self.batches) < 1 or min(self.breakdown_batches, default=1) < 1:
             raise ValueError("batch sizes must be positive")
         if not self.caches or not set(self.caches) | set(self.breakdown_caches) <= set(CACHES):
             raise ValueError(f"caches must be a non-empty subset of {CACHES}")
+        if self.top_ops < 0:
+            raise ValueError(f"top_ops must not be negative, got {self.top_ops}")
         if min(self.prompt, self.answer, self.block, self.repeats) < 1:
             raise ValueError("prompt, answer, block and repeats must be positive")
         if self.breakdown_batches and min(self.block, self.answer) < BREAKDOWN_STEPS:
@@ -239,7 +242,8 @@ def run_scaling(cfg: ScalingConfig, trees: dict[str, str | Path], progress: bool
                     for w in workers:
                         if isinstance(w, ProcessGroup):  # its steps are this tree's one-device steps
                             continue
-                        parts = w.ask(op="breakdown", cache=cache, batch=batch, repeats=BREAKDOWN_REPEATS, **shape)
+                        parts = w.ask(op="breakdown", cache=cache, batch=batch, repeats=BREAKDOWN_REPEATS,
+                                      top_ops=cfg.top_ops, **shape)
                         breakdown.extend({"tree": w.label, "cache": cache, "batch": batch, "kind": kind, **p}
                                          for kind, p in parts.items())
         finally:
@@ -258,6 +262,18 @@ def matmul_ceiling(cfg: ScalingConfig) -> dict[int, float]:
 
     rows = sorted({b * cfg.block for b in cfg.batches} | {b * (cfg.prompt + cfg.answer) for b in cfg.batches})
     return {m: dense_matmul_rate(m, SCALING_MODEL.d_model, SCALING_MODEL.mlp_hidden) for m in rows}
+
+
+def format_top_ops(breakdown: list[dict]) -> list[str]:
+    """Each breakdown step's largest XLA operations (thread-busy ms per step), where it has them."""
+    lines = []
+    for b in breakdown:
+        if b.get("top_ops"):
+            lines += ["", f"largest operations: {b['tree']} {b['cache']} batch {b['batch']} {b['kind']} "
+                          f"(busy ms per step, stage, kind, what)"]
+            lines += [f"  {op['busy_ms']:>8.2f}  {op['stage']:<12} {op['kind']:<14} {op['name']:<28} {op['what']}"
+                      for op in b["top_ops"]]
+    return lines
 
 
 def _cell(value: float | None, width: int) -> str:  # a side left out of a cell shows "-"
@@ -308,6 +324,7 @@ def format_scaling(result: dict) -> str:
                          + f"{b['flops'] / 1e9:>7.2f}{b['bytes_accessed'] / 1e6:>7.0f}"
                          + f"{b['flops'] / 1e6 / b['compiled_min_ms']:>8.0f}")
         lines.append("GFLOP/s = the step's FLOPs over its fastest compiled run")
+        lines += format_top_ops(result["breakdown"])
     if result.get("matmul_gflops"):
         lines += ["", "the machine's ceiling: XLA float32 [M x d_model] . [d_model x MLP] product, GFLOP/s (fastest of 5)",
                   "  " + "  ".join(f"M={m}: {r:.0f}" for m, r in sorted(result["matmul_gflops"].items()))]

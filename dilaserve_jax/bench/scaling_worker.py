@@ -16,9 +16,10 @@ with SLOT_SHARDS > 1 decoders whose slots are split over that many devices
       same executables): a cheaper warm-up. An optional "rows": [start, stop] decodes only those
       requests of the `batch` (on a decoder with stop - start slots), and "answers": true adds the
       answers themselves: how several workers split one cell between them (bench/scaling.py).
-  {"op": "breakdown", ...same keys..., "repeats": 5}
+  {"op": "breakdown", ...same keys..., "repeats": 5, "top_ops": 0}
       -> bench/step_profile.py's timings of one refresh and one reuse step of that shape, loaded
-      from the benchmark's own tree (the stage split needs the named scopes of that tree's steps).
+      from the benchmark's own tree (the stage split needs the named scopes of that tree's steps),
+      with each step's `top_ops` largest XLA operations.
 """
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ def main() -> int:
                 dec.step(True, slots, [1.0] * len(slots))
                 parts = profile.time_step_parts(dec, refresh, slots, cmd["repeats"])
                 parts["shape"] = str(parts["shape"])
-                parts.update(profile.stage_profile(dec, refresh, slots, repeats=3))
+                parts.update(profile.stage_profile(dec, refresh, slots, repeats=3, top_ops=cmd.get("top_ops", 0)))
                 reply[kind] = parts
         else:
             reply = {"error": f"unknown op {cmd['op']!r}"}

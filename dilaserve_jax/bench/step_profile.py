@@ -46,6 +46,7 @@ OP_KINDS = ("matmul", "data_movement", "elementwise")
 _DATA_MOVEMENT = {"gather", "scatter", "wrapped", "copy", "transpose", "concatenate", "slice", "dynamic",
                   "bitcast", "pad", "reverse", "broadcast", "iota"}
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name="([^"]*)"')
+_RESULT_SHAPE = re.compile(r'^\s*(?:ROOT )?%?[\w.\-]+ = (\w+\[[\d,]*\])')
 
 
 def _executable(decoder: SlotDecoder, refresh: bool, slots: list[int]):
@@ -137,16 +138,36 @@ def dense_matmul_rate(rows: int, d_in: int, d_out: int, repeats: int = 5, calls:
     return 2 * rows * d_in * d_out / best / 1e9
 
 
-def hlo_stages(hlo_text: str) -> dict[str, str]:
-    """Instruction name -> the decode stage named in its op_name (innermost wins), else OTHER."""
-    stages = {}
+def hlo_op_names(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> its op_name metadata (the jax.named_scope path and the primitive)."""
+    names = {}
     for line in hlo_text.splitlines():
         m = _INSTRUCTION.match(line)
-        if not m:
-            continue
-        parts = m.group(2).split("/")
-        stages[m.group(1)] = next((p for p in reversed(parts) if p in STAGES), OTHER)
-    return stages
+        if m:
+            names[m.group(1)] = m.group(2)
+    return names
+
+
+def hlo_result_shapes(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> its result type when that is one array (e.g. "f32[32,32,768]")."""
+    shapes = {}
+    for line in hlo_text.splitlines():
+        m, shape = _INSTRUCTION.match(line), _RESULT_SHAPE.match(line)
+        if m and shape:
+            shapes[m.group(1)] = shape.group(1)
+    return shapes
+
+
+def hlo_stages(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> the decode stage named in its op_name (innermost wins), else OTHER."""
+    return {name: next((p for p in reversed(op.split("/")) if p in STAGES), OTHER)
+            for name, op in hlo_op_names(hlo_text).items()}
+
+
+def _what(op_name: str) -> str:
+    """The last two parts of an op_name past its stage: e.g. "bqkgd,blkd->bkgql/dot_general"."""
+    parts = [p for p in op_name.split("/") if p and p not in STAGES and not p.startswith("jit(")]
+    return "/".join(parts[-2:]) or op_name
 
 
 def op_kind(name: str) -> str:
@@ -179,15 +200,19 @@ def _exclusive_by_name(trace_events: list[dict]) -> dict[str, float]:
     return totals
 
 
-def stage_profile(decoder: SlotDecoder, refresh: bool, slots: list[int], repeats: int = 3) -> dict:
+def stage_profile(decoder: SlotDecoder, refresh: bool, slots: list[int], repeats: int = 3,
+                  top_ops: int = 0) -> dict:
     """Thread-busy ms per step of the compiled executable, from a profiler trace: per stage
     (`busy_ms`) and per OP_KINDS entry (`kind_busy_ms`); plus XLA's cost analysis of the step.
+    With `top_ops` > 0 also its `top_ops` largest operations (`top_ops`: name, stage, kind, busy ms
+    per step, and what it computes from its op_name), largest first.
 
     Also runs 1 + repeats steps on `decoder` outside its host mirror (see the module docstring).
     """
     taus = [1.0] * len(slots)
     shape, exe = _executable(decoder, refresh, slots)
-    stages = hlo_stages(exe.as_text())
+    hlo = exe.as_text()
+    stages, op_names = hlo_stages(hlo), hlo_op_names(hlo)
     args = _arguments(decoder, shape, slots, taus, exe)
     decoder.state, out = exe(decoder.params, decoder.state, *args)
     jax.block_until_ready(out)
@@ -202,14 +227,18 @@ def stage_profile(decoder: SlotDecoder, refresh: bool, slots: list[int], repeats
     events = data["traceEvents"] if isinstance(data, dict) else data
     per_stage: dict[str, float] = defaultdict(float)
     per_kind: dict[str, float] = defaultdict(float)
-    for name, micros in _exclusive_by_name(events).items():
-        if name in stages:
-            per_stage[stages[name]] += micros
-            per_kind[op_kind(name)] += micros
+    per_op = {name: micros for name, micros in _exclusive_by_name(events).items() if name in stages}
+    for name, micros in per_op.items():
+        per_stage[stages[name]] += micros
+        per_kind[op_kind(name)] += micros
+    largest = sorted(per_op, key=per_op.get, reverse=True)[:top_ops]
     busy = {stage: per_stage.get(stage, 0.0) / 1e3 / repeats for stage in (*STAGES, OTHER)}
     kinds = {kind: per_kind.get(kind, 0.0) / 1e3 / repeats for kind in OP_KINDS}
     cost = exe.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     shards = getattr(decoder.config, "slot_shards", 1)  # a slot-sharded step's cost analysis is one shard's
+    shapes = hlo_result_shapes(hlo)
+    ops = [{"name": name, "stage": stages[name], "kind": op_kind(name), "busy_ms": per_op[name] / 1e3 / repeats,
+            "what": f"{_what(op_names[name])} -> {shapes.get(name, '?')}"} for name in largest]
     return {"busy_ms": busy, "kind_busy_ms": kinds, "flops": shards * float(cost.get("flops", 0.0)),
-            "bytes_accessed": shards * float(cost.get("bytes accessed", 0.0))}
+            "bytes_accessed": shards * float(cost.get("bytes accessed", 0.0)), "top_ops": ops}
