@@ -81,29 +81,20 @@ def test_process_count_must_be_positive():
 
 
 @pytest.mark.slow
-def test_processes_split_a_cell_and_decode_what_one_process_does(tmp_path):
-    """Two worker processes, each decoding half of a batch-4 cell, commit the same tokens as one
-    worker decoding all four rows; batch 1 is left out for them (2 does not divide it)."""
-    cfg = ScalingConfig(batches=(1, 4), caches=("dual",), prompt=4, answer=8, block=8, repeats=1,
-                        breakdown_batches=())
-    result = run_scaling(cfg, {"this": OWN_TREE}, progress=False, checkpoint_dir=tmp_path, processes=2)
-    assert list(result["trees"]) == ["this", "procs"]
-    one, four = result["rows"]
-    assert one["procs"] is None and one["this"] > 0 and one["same_tokens"]
-    assert four["procs"] > 0 and four["procs_cpu"] > 0 and four["same_tokens"]
-    assert result["breakdown"] == []
-
-
-@pytest.mark.slow
-def test_two_workers_of_one_tree_agree_token_for_token(tmp_path):
-    """One of them with its slots split over 2 host devices (both workers then get 2 devices)."""
-    cfg = ScalingConfig(batches=(2,), caches=("dual",), prompt=4, answer=16, block=16, repeats=1,
+def test_every_side_of_one_tree_agrees_token_for_token(tmp_path):
+    """One worker on one device, one with its slots split over 2 host devices (every worker then
+    gets 2 devices) and two processes each decoding half of a cell: all commit the same tokens.
+    Batch 1 is left out for the processes (2 does not divide it)."""
+    cfg = ScalingConfig(batches=(1, 2), caches=("dual",), prompt=4, answer=16, block=16, repeats=1,
                         breakdown_batches=(1,))
     result = run_scaling(cfg, {"this": OWN_TREE, "again": OWN_TREE}, progress=False, checkpoint_dir=tmp_path,
-                         slot_shards={"again": 2})
-    assert result["slot_shards"] == {"this": 1, "again": 2}
-    assert [(r["cache"], r["batch"]) for r in result["rows"]] == [("dual", 2)]
+                         slot_shards={"again": 2}, processes=2)
+    assert list(result["trees"]) == ["this", "procs", "again"]  # the last side stays the reference
+    assert result["slot_shards"] == {"this": 1, "again": 2, "procs": 1}
+    one, two = result["rows"]
+    assert [(r["cache"], r["batch"]) for r in result["rows"]] == [("dual", 1), ("dual", 2)]
+    assert one["procs"] is None and one["procs_all"] == [] and two["procs"] > 0 and two["procs_cpu"] > 0
     assert all(r["same_tokens"] and r["this"] > 0 and r["again"] > 0 for r in result["rows"])
     kinds = {(b["tree"], b["kind"]) for b in result["breakdown"]}
-    assert kinds == {(t, k) for t in ("this", "again") for k in ("refresh", "reuse")}
-    assert set(result["matmul_gflops"]) == {2 * 16, 2 * 20} and min(result["matmul_gflops"].values()) > 0
+    assert kinds == {(t, k) for t in ("this", "again") for k in ("refresh", "reuse")}  # none for procs
+    assert set(result["matmul_gflops"]) == {16, 20, 2 * 16, 2 * 20} and min(result["matmul_gflops"].values()) > 0
