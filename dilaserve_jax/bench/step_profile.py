@@ -158,10 +158,14 @@ def hlo_result_shapes(hlo_text: str) -> dict[str, str]:
     return shapes
 
 
-def hlo_stages(hlo_text: str) -> dict[str, str]:
+def stages_of(op_names: dict[str, str]) -> dict[str, str]:
     """Instruction name -> the decode stage named in its op_name (innermost wins), else OTHER."""
-    return {name: next((p for p in reversed(op.split("/")) if p in STAGES), OTHER)
-            for name, op in hlo_op_names(hlo_text).items()}
+    return {name: next((p for p in reversed(op.split("/")) if p in STAGES), OTHER) for name, op in op_names.items()}
+
+
+def hlo_stages(hlo_text: str) -> dict[str, str]:
+    """`stages_of` the instructions of an HLO text."""
+    return stages_of(hlo_op_names(hlo_text))
 
 
 def _what(op_name: str) -> str:
@@ -212,7 +216,8 @@ def stage_profile(decoder: SlotDecoder, refresh: bool, slots: list[int], repeats
     taus = [1.0] * len(slots)
     shape, exe = _executable(decoder, refresh, slots)
     hlo = exe.as_text()
-    stages, op_names = hlo_stages(hlo), hlo_op_names(hlo)
+    op_names = hlo_op_names(hlo)
+    stages = stages_of(op_names)
     args = _arguments(decoder, shape, slots, taus, exe)
     decoder.state, out = exe(decoder.params, decoder.state, *args)
     jax.block_until_ready(out)
@@ -237,7 +242,7 @@ def stage_profile(decoder: SlotDecoder, refresh: bool, slots: list[int], repeats
     cost = exe.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     shards = getattr(decoder.config, "slot_shards", 1)  # a slot-sharded step's cost analysis is one shard's
-    shapes = hlo_result_shapes(hlo)
+    shapes = hlo_result_shapes(hlo) if largest else {}
     ops = [{"name": name, "stage": stages[name], "kind": op_kind(name), "busy_ms": per_op[name] / 1e3 / repeats,
             "what": f"{_what(op_names[name])} -> {shapes.get(name, '?')}"} for name in largest]
     return {"busy_ms": busy, "kind_busy_ms": kinds, "flops": shards * float(cost.get("flops", 0.0)),
