@@ -9,7 +9,7 @@ import signal
 import sys
 
 from dilaserve_jax.mesh.distributed import add_distributed_args, distributed_config, init_distributed
-from dilaserve_jax.serving import limits as defaults
+from dilaserve_jax.serving.policy import limits as defaults
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9464
@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         import jax
 
         from dilaserve_jax.frontend.server import ServerOptions
-        from dilaserve_jax.serving.build import ServeConfig, build_cluster
-        from dilaserve_jax.serving.controller import ControllerConfig
+        from dilaserve_jax.serving.executor.build import ServeConfig, build_cluster
+        from dilaserve_jax.serving.policy.controller import ControllerConfig
 
         from dilaserve_jax.decoding.compiled import enable_compile_cache
 
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     watcher = None
     if args.watch_checkpoints:
-        from dilaserve_jax.serving.checkpoint_watch import CheckpointWatcher, served_step
+        from dilaserve_jax.serving.executor.checkpoint_watch import CheckpointWatcher, served_step
 
         watcher = CheckpointWatcher(cluster, args.watch_checkpoints, interval_s=args.watch_interval_s, say=say,
                                     after_step=served_step(cluster.model_source, args.watch_checkpoints))

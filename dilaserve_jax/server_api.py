@@ -10,7 +10,7 @@ reflection, optional Prometheus metrics, the scheduler and one engine thread per
 watchdog, optionally a checkpoint watcher -- on background threads: gRPC on its own asyncio
 event-loop thread, compilation and the start-up latency profile on the engines' threads (a
 warm-up thread waits for them), pushed weights on a push thread. The caller's thread only builds
-the cluster at construction and, per push, enqueues device-to-device copies (serving/push.py).
+the cluster at construction and, per push, enqueues device-to-device copies (serving/executor/push.py).
 
 Memory on each serving device (docs/colocation.md): its shard of the weights, one more shard
 while a push is in flight (old and new weights coexist until the swap), and the decode slots
@@ -62,8 +62,8 @@ class Server:
         (health NOT_SERVING while compiling)."""
         from dilaserve_jax.frontend.server import ServerOptions
         from dilaserve_jax.mesh.share import share_layout
-        from dilaserve_jax.serving.build import ServeConfig, build_cluster
-        from dilaserve_jax.serving.push import WeightPusher
+        from dilaserve_jax.serving.executor.build import ServeConfig, build_cluster
+        from dilaserve_jax.serving.executor.push import WeightPusher
 
         if jax.process_count() > 1:
             raise ValueError("Server runs in a single process; for multi-host serving use "
@@ -89,7 +89,7 @@ class Server:
         self._stopped = False
         self.watcher = None
         if watch_checkpoints is not None:
-            from dilaserve_jax.serving.checkpoint_watch import CheckpointWatcher
+            from dilaserve_jax.serving.executor.checkpoint_watch import CheckpointWatcher
 
             self.watcher = CheckpointWatcher(self.cluster, watch_checkpoints, interval_s=watch_interval_s,
                                              say=self._say)
@@ -234,9 +234,9 @@ def _serving_model(cfg, layout, model_cfg, params, tokenizer, source: str):
     every instance), and the transfer plans that did it: pushes from the same shardings reuse them."""
     from dilaserve_jax.models.hf import abstract_params
     from dilaserve_jax.models.tokenizer import CharTokenizer
-    from dilaserve_jax.serving.build import ServingModel
-    from dilaserve_jax.serving.weights_swap import IncompatibleWeights
-    from dilaserve_jax.serving.push import PlanCache
+    from dilaserve_jax.serving.executor.build import ServingModel
+    from dilaserve_jax.serving.cluster.weights_swap import IncompatibleWeights
+    from dilaserve_jax.serving.executor.push import PlanCache
 
     held = {str(x.dtype) for x in jax.tree.leaves(params)}
     dtype = cfg.param_dtype or (held.pop() if len(held) == 1 and held <= {"float32", "bfloat16"} else None)

@@ -9,7 +9,7 @@ import pytest
 
 @pytest.mark.slow
 def test_soak_loses_nothing(tmp_path):
-    from dilaserve_jax.serving.fake_runner import fake_profile
+    from dilaserve_jax.serving.cluster.fake_runner import fake_profile
 
     fake_profile().save(tmp_path / "profile.json")  # skip the start-up measurement: answers do not depend on it
     out = subprocess.run([sys.executable, "-m", "dilaserve_jax.bench.soak", "--requests", "60", "--concurrency", "16",

@@ -15,8 +15,8 @@ from dilaserve_jax import Server
 from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
 from dilaserve_jax.decoding.offline import DecodeRequest, generate_many
 from dilaserve_jax.models import CharTokenizer, init_model, test
-from dilaserve_jax.serving.weights_swap import IncompatibleWeights
-from dilaserve_jax.serving.fake_runner import fake_profile
+from dilaserve_jax.serving.cluster.weights_swap import IncompatibleWeights
+from dilaserve_jax.serving.cluster.fake_runner import fake_profile
 from dilaserve_jax.tasks.suite import unique_problems
 
 pytestmark = pytest.mark.slow

@@ -36,13 +36,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from dilaserve_jax.decoding.compiled import CompiledSteps
     from dilaserve_jax.models import load_model
-    from dilaserve_jax.serving.engine import Engine
-    from dilaserve_jax.serving.timeline import StepTimeline
-    from dilaserve_jax.serving.fake_runner import fake_profile
-    from dilaserve_jax.serving.latency import LatencyModel
-    from dilaserve_jax.serving.request import Request
-    from dilaserve_jax.serving.runner import JaxRunner
-    from dilaserve_jax.serving.scheduler import Scheduler, SchedulerConfig
+    from dilaserve_jax.serving.cluster.engine import Engine
+    from dilaserve_jax.serving.cluster.timeline import StepTimeline
+    from dilaserve_jax.serving.cluster.fake_runner import fake_profile
+    from dilaserve_jax.serving.policy.latency import LatencyModel
+    from dilaserve_jax.serving.policy.request import Request
+    from dilaserve_jax.serving.executor.runner import JaxRunner
+    from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
     from dilaserve_jax.tasks.suite import SHORT_AREA, TASKS, task_block, unique_problems
 
     devices = jax.devices()[:2]

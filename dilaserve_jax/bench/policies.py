@@ -166,7 +166,7 @@ class Bench:
         self.reference: list[bool] = []  # per item: valid at the static τ alone
 
     def _eval_rows(self) -> list[dict] | None:
-        from dilaserve_jax.serving.eval_rows import describe_priors, eval_rows_beside, read_eval_rows
+        from dilaserve_jax.serving.policy.eval_rows import describe_priors, eval_rows_beside, read_eval_rows
 
         path = self.cfg.prior or eval_rows_beside(self.model.source)
         if path is None:
@@ -178,7 +178,7 @@ class Bench:
         return rows
 
     def threshold_config(self, budget: float | None, mode: str):
-        from dilaserve_jax.serving.threshold import ThresholdConfig
+        from dilaserve_jax.serving.policy.threshold import ThresholdConfig
 
         if self.rows is None:
             return ThresholdConfig()
@@ -188,17 +188,17 @@ class Bench:
         """budget -> the fixed floor at this benchmark's τ range (None without an accuracy model)."""
         if self.rows is None:
             return None
-        from dilaserve_jax.serving.quality import AccuracyModel
-        from dilaserve_jax.serving.threshold import TAU_GRID
+        from dilaserve_jax.serving.policy.quality import AccuracyModel
+        from dilaserve_jax.serving.policy.threshold import TAU_GRID
 
         model, cfg = AccuracyModel.from_eval(self.rows), self.cfg
         grid = sorted({t for t in TAU_GRID if cfg.tau_min <= t <= cfg.tau_max} | {cfg.tau_min, cfg.tau_max})
         return lambda budget: model.floor(budget, cfg.tau_max, grid)
 
     def build(self) -> None:
-        from dilaserve_jax.serving.latency import LatencyModel, Profile
-        from dilaserve_jax.serving.profiling import measure_profile
-        from dilaserve_jax.serving.runner import JaxRunner
+        from dilaserve_jax.serving.policy.latency import LatencyModel, Profile
+        from dilaserve_jax.serving.executor.profiling import measure_profile
+        from dilaserve_jax.serving.executor.runner import JaxRunner
 
         m, cfg = self.model, self.cfg
         t0 = time.perf_counter()
@@ -236,15 +236,15 @@ class Bench:
         """Serve (arrival offset, item index, slo) on a fresh scheduler; returns the finished requests."""
         from tqdm.auto import tqdm
 
-        from dilaserve_jax.serving.engine import Engine
-        from dilaserve_jax.serving.request import make_request
-        from dilaserve_jax.serving.scheduler import Scheduler, SchedulerConfig
+        from dilaserve_jax.serving.cluster.engine import Engine
+        from dilaserve_jax.serving.policy.request import make_request
+        from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
 
         cfg = self.cfg
         sched = Scheduler(SchedulerConfig(cfg.slots, policy=policy, static_tau=cfg.static_tau, max_queue=10_000,
                                           threshold=self.threshold_config(budget, mode)), self.latency)
         if cfg.clock == "modeled":
-            from dilaserve_jax.serving.fake_runner import FakeClock
+            from dilaserve_jax.serving.cluster.fake_runner import FakeClock
 
             clock = FakeClock()
             engine = Engine(ProfiledTimeRunner(self.runner, clock, self.step_seconds, self.latency), sched, clock=clock)
@@ -314,7 +314,7 @@ class Bench:
 
     def records(self, reqs: list) -> list[dict]:
         """Per request: item, task, outcome, τ trajectory, predicted loss, graded validity (and at the static τ)."""
-        from dilaserve_jax.serving.request import RequestState
+        from dilaserve_jax.serving.policy.request import RequestState
 
         out = []
         for r in reqs:

@@ -59,7 +59,7 @@ def _runner(model, tp: int, args, lengths, compiled):
     from dilaserve_jax.mesh.layout import Instance
     from dilaserve_jax.mesh.placement import place_params
     from dilaserve_jax.mesh.sharding import kv_cache_sharding
-    from dilaserve_jax.serving.runner import JaxRunner
+    from dilaserve_jax.serving.executor.runner import JaxRunner
 
     cfg = model.config
     if tp > len(jax.devices()):
@@ -76,7 +76,7 @@ def _runner(model, tp: int, args, lengths, compiled):
 
 
 def _ratio_lines(profile) -> list[str]:
-    from dilaserve_jax.serving.profiling import refresh_reuse_ratios
+    from dilaserve_jax.serving.executor.profiling import refresh_reuse_ratios
 
     ratios = refresh_reuse_ratios(profile)
     batches = sorted({b for row in ratios.values() for b in row})
@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     _present_cpu_devices(max(args.tp))
     from dilaserve_jax.decoding.compiled import CompiledSteps, enable_compile_cache
     from dilaserve_jax.models import load_model
-    from dilaserve_jax.serving.latency import Profile, fit
-    from dilaserve_jax.serving.profiling import measure_profile
+    from dilaserve_jax.serving.policy.latency import Profile, fit
+    from dilaserve_jax.serving.executor.profiling import measure_profile
 
     enable_compile_cache(args.compile_cache)
     try:
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"latency-model fit, {report}")
     print("\n".join(_ratio_lines(profile)))
     if args.analytic_out:
-        from dilaserve_jax.serving.roofline import CHIPS, analytic_profile
+        from dilaserve_jax.serving.policy.roofline import CHIPS, analytic_profile
 
         out = Path(args.analytic_out)
         out.mkdir(parents=True, exist_ok=True)

@@ -70,9 +70,9 @@ def _f(x, width: int) -> str:
 def _measure_switches(args) -> list[dict]:
     from tqdm.auto import tqdm
 
-    from dilaserve_jax.serving.build import ServeConfig, build_cluster
-    from dilaserve_jax.serving.fake_runner import fake_tp_profile
-    from dilaserve_jax.serving.request import Request
+    from dilaserve_jax.serving.executor.build import ServeConfig, build_cluster
+    from dilaserve_jax.serving.cluster.fake_runner import fake_tp_profile
+    from dilaserve_jax.serving.policy.request import Request
     from dilaserve_jax.tasks.suite import unique_problems
 
     import tempfile
@@ -147,10 +147,10 @@ def _measure_switches(args) -> list[dict]:
 
 
 def _decision_times() -> dict[int, tuple[int, float]]:
-    from dilaserve_jax.serving.capacity import RequestShape
-    from dilaserve_jax.serving.controller import ClusterController, ControllerConfig
-    from dilaserve_jax.serving.fake_runner import fake_tp_profile
-    from dilaserve_jax.serving.latency import LatencyModel
+    from dilaserve_jax.serving.policy.capacity import RequestShape
+    from dilaserve_jax.serving.policy.controller import ClusterController, ControllerConfig
+    from dilaserve_jax.serving.cluster.fake_runner import fake_tp_profile
+    from dilaserve_jax.serving.policy.latency import LatencyModel
 
     tps = (1, 2, 4, 8, 16, 32, 64)
     latency = LatencyModel.from_profile(fake_tp_profile(tps))

@@ -88,7 +88,7 @@ async def _soak(args) -> int:
     from dilaserve_jax.models import load_model
     from dilaserve_jax.models.checkpoint import save_params
     from dilaserve_jax.models.registry import save_model_config
-    from dilaserve_jax.serving.build import ServeConfig, build_cluster
+    from dilaserve_jax.serving.executor.build import ServeConfig, build_cluster
 
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     enable_compile_cache(args.compile_cache)

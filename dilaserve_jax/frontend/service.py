@@ -16,11 +16,11 @@ from dilaserve_jax.frontend import dilaserve_pb2 as pb
 from dilaserve_jax.frontend import dilaserve_pb2_grpc as pb_grpc
 from dilaserve_jax.frontend.admin import MAX_PATH_BYTES, bounded, reload_refusal, weights_roots
 from dilaserve_jax.frontend.validation import GenerateSpec, InvalidRequest, validate
-from dilaserve_jax.serving.cluster import ClusterBusy, DuplicateRequest
-from dilaserve_jax.serving.weights_swap import IncompatibleWeights
-from dilaserve_jax.serving.engine_types import EngineUnavailable
-from dilaserve_jax.serving.request import Request, RequestState
-from dilaserve_jax.serving.router import NoInstanceAvailable
+from dilaserve_jax.serving.cluster.cluster import ClusterBusy, DuplicateRequest
+from dilaserve_jax.serving.cluster.weights_swap import IncompatibleWeights
+from dilaserve_jax.serving.cluster.engine_types import EngineUnavailable
+from dilaserve_jax.serving.policy.request import Request, RequestState
+from dilaserve_jax.serving.policy.router import NoInstanceAvailable
 
 log = logging.getLogger(__name__)
 END_MARK = "\u00b7"  # canvas positions after the answer's end (EOS)

@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass
 
 from dilaserve_jax.frontend import dilaserve_pb2 as pb
-from dilaserve_jax.serving.limits import MAX_REQUEST_ID_CHARS, Limits
+from dilaserve_jax.serving.policy.limits import MAX_REQUEST_ID_CHARS, Limits
 
 __all__ = ["GenerateSpec", "InvalidRequest", "Limits", "validate"]
 

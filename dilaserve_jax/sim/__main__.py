@@ -8,8 +8,8 @@ import time
 
 import numpy as np
 
-from dilaserve_jax.serving.controller import ControllerConfig
-from dilaserve_jax.serving.scheduler import POLICIES
+from dilaserve_jax.serving.policy.controller import ControllerConfig
+from dilaserve_jax.serving.policy.scheduler import POLICIES
 from dilaserve_jax.sim.policies import ABLATIONS
 from dilaserve_jax.sim.report import format_table, summarize
 from dilaserve_jax.sim.setup import MODELS, ModelSetup, setup_model

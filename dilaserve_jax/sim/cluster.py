@@ -26,12 +26,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from dilaserve_jax.serving.capacity import layout_text, moved_fraction, parse_layout, placements
-from dilaserve_jax.serving.cluster import InstanceInfo
-from dilaserve_jax.serving.engine import Engine
-from dilaserve_jax.serving.engine_types import EngineSnapshot, Handoff, own_time
-from dilaserve_jax.serving.request import Request
-from dilaserve_jax.serving.router import NoInstanceAvailable, Router
+from dilaserve_jax.serving.policy.capacity import layout_text, moved_fraction, parse_layout, placements
+from dilaserve_jax.serving.cluster.cluster import InstanceInfo
+from dilaserve_jax.serving.cluster.engine import Engine
+from dilaserve_jax.serving.cluster.engine_types import Handoff
+from dilaserve_jax.serving.policy.snapshots import EngineSnapshot, own_time
+from dilaserve_jax.serving.policy.request import Request
+from dilaserve_jax.serving.policy.router import NoInstanceAvailable, Router
 from dilaserve_jax.sim.executor import VirtualClock
 
 # event priorities at equal times: arrivals first (a real engine's next iteration sees what arrived

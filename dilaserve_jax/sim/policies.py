@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from dilaserve_jax.serving.threshold import ThresholdController
+from dilaserve_jax.serving.policy.threshold import ThresholdController
 
 ABLATIONS = ("threshold", "load", "reconfig", "migration")
 

@@ -13,9 +13,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from dilaserve_jax.serving.latency import LatencyModel, Profile
-from dilaserve_jax.serving.roofline import CHIPS, LLADA_8B, analytic_profile
-from dilaserve_jax.serving.eval_rows import prior_from_eval_json
+from dilaserve_jax.serving.policy.latency import LatencyModel, Profile
+from dilaserve_jax.serving.policy.roofline import CHIPS, LLADA_8B, analytic_profile
+from dilaserve_jax.serving.policy.eval_rows import prior_from_eval_json
 from dilaserve_jax.sim.executor import StepTimeModel
 from dilaserve_jax.sim.quality import QualityModel
 

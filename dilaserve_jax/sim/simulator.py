@@ -17,18 +17,18 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from dilaserve_jax.serving.autoscale import Autoscaler
-from dilaserve_jax.serving.capacity import RequestShape, binary_partitions, layout_text, parse_layout
-from dilaserve_jax.serving.cluster import InstanceInfo
-from dilaserve_jax.serving.controller import ClusterController, ControllerConfig
-from dilaserve_jax.serving.engine import Engine
-from dilaserve_jax.serving.engine_types import RequestResult
-from dilaserve_jax.serving.latency import LatencyModel
-from dilaserve_jax.serving.limits import DEFAULT_MAX_QUEUE
-from dilaserve_jax.serving.quality import BUDGET_MODES
-from dilaserve_jax.serving.request import Request, RequestState
-from dilaserve_jax.serving.scheduler import POLICIES, Scheduler, SchedulerConfig
-from dilaserve_jax.serving.threshold import ThresholdConfig
+from dilaserve_jax.serving.cluster.autoscale import Autoscaler
+from dilaserve_jax.serving.policy.capacity import RequestShape, binary_partitions, layout_text, parse_layout
+from dilaserve_jax.serving.cluster.cluster import InstanceInfo
+from dilaserve_jax.serving.policy.controller import ClusterController, ControllerConfig
+from dilaserve_jax.serving.cluster.engine import Engine
+from dilaserve_jax.serving.cluster.engine_types import RequestResult
+from dilaserve_jax.serving.policy.latency import LatencyModel
+from dilaserve_jax.serving.policy.limits import DEFAULT_MAX_QUEUE
+from dilaserve_jax.serving.policy.quality import BUDGET_MODES
+from dilaserve_jax.serving.policy.request import Request, RequestState
+from dilaserve_jax.serving.policy.scheduler import POLICIES, Scheduler, SchedulerConfig
+from dilaserve_jax.serving.policy.threshold import ThresholdConfig
 from dilaserve_jax.sim.cluster import ARRIVAL, CONTROL, SWITCH, SimCluster, SimInstance, SwitchCost
 from dilaserve_jax.sim.executor import ModelledRunner, StepTimeModel, VirtualClock, advance
 from dilaserve_jax.sim.policies import ABLATIONS, threshold_controller_class
@@ -310,7 +310,7 @@ def _progress(total: int, label: str, enabled: bool):
 def idle_latency(spec: RequestSpec, plan: RequestPlan, quality: QualityModel, step_time: StepTimeModel,
                  tau: float, tp: int) -> float:
     """Seconds to serve the request alone on an idle TP-`tp` instance at a constant τ (no noise)."""
-    from dilaserve_jax.serving.types import StepKind
+    from dilaserve_jax.serving.policy.types import StepKind
     from dilaserve_jax.sim.quality import Progress
 
     canvas = len(spec.prompt_tokens) + spec.answer_length

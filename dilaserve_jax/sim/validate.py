@@ -81,9 +81,9 @@ def serve_measured(bench, policy: str, trace: list, progress: bool, desc: str, b
     """`bench.policies.Bench.serve`, with every step and every engine iteration timed."""
     from tqdm.auto import tqdm
 
-    from dilaserve_jax.serving.engine import Engine
-    from dilaserve_jax.serving.request import make_request
-    from dilaserve_jax.serving.scheduler import Scheduler, SchedulerConfig
+    from dilaserve_jax.serving.cluster.engine import Engine
+    from dilaserve_jax.serving.policy.request import make_request
+    from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
     cfg = bench.cfg
     tcfg = bench.threshold_config(budget, "adaptive")  # the shipped eval rows: speed prior and accuracy budget
     sched = Scheduler(SchedulerConfig(cfg.slots, policy=policy, static_tau=cfg.static_tau, max_queue=10_000,
@@ -124,7 +124,7 @@ def serve_measured(bench, policy: str, trace: list, progress: bool, desc: str, b
 
 
 def real_records(bench, reqs) -> list[dict]:
-    from dilaserve_jax.serving.request import RequestState
+    from dilaserve_jax.serving.policy.request import RequestState
     from dilaserve_jax.tasks.graders import grade
 
     index = {it.tokens: it for it in bench.items}
@@ -172,7 +172,7 @@ def step_time_model(measured: dict, source: str = "run"):
     bucket, block), where a step was one compiled call; the start-up profile for shapes the run never
     had. source "profile": the start-up profile alone. Either way the spread of actual over modelled
     step times is resampled as noise, and the host time per step outside the compiled calls is added."""
-    from dilaserve_jax.serving.latency import LatencyModel, Profile
+    from dilaserve_jax.serving.policy.latency import LatencyModel, Profile
     from dilaserve_jax.sim.executor import StepTimeModel, _bucket
 
     prof = Profile.from_json(measured["profile"])
@@ -248,7 +248,7 @@ def format_rows(rows: list[dict]) -> str:
 def measure_real(args, say) -> dict:
     """The real side (JAX): everything the simulated side is fed, as plain JSON."""
     from dilaserve_jax.bench.policies import Bench, BenchConfig
-    from dilaserve_jax.serving.scheduler import POLICIES
+    from dilaserve_jax.serving.policy.scheduler import POLICIES
     from dilaserve_jax.decoding.compiled import enable_compile_cache
 
     enable_compile_cache(args.compile_cache)
@@ -334,7 +334,7 @@ def run(args, say) -> dict:
             d = Path(args.out)
             d.mkdir(parents=True, exist_ok=True)
             (d / "measured.json").write_text(json.dumps(measured, default=float))
-            from dilaserve_jax.serving.latency import Profile
+            from dilaserve_jax.serving.policy.latency import Profile
 
             Profile.from_json(measured["profile"]).save(d / "profile.json")
             say(f"wrote {d / 'measured.json'} (re-simulate with --from) and {d / 'profile.json'}")

@@ -10,12 +10,12 @@ from dilaserve_jax.frontend.client import DiLaServeClient
 from dilaserve_jax.frontend.server import ServerOptions, start_server
 from dilaserve_jax.frontend.validation import Limits
 from dilaserve_jax.models import CharTokenizer
-from dilaserve_jax.serving.cluster import Cluster, InstanceInfo
-from dilaserve_jax.serving.weights_swap import NewWeights
-from dilaserve_jax.serving.engine import Engine
-from dilaserve_jax.serving.fake_runner import FakeRunner, fake_profile
-from dilaserve_jax.serving.latency import LatencyModel
-from dilaserve_jax.serving.scheduler import Scheduler, SchedulerConfig
+from dilaserve_jax.serving.cluster.cluster import Cluster, InstanceInfo
+from dilaserve_jax.serving.cluster.weights_swap import NewWeights
+from dilaserve_jax.serving.cluster.engine import Engine
+from dilaserve_jax.serving.cluster.fake_runner import FakeRunner, fake_profile
+from dilaserve_jax.serving.policy.latency import LatencyModel
+from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
 
 
 class ServerThread:

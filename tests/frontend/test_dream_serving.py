@@ -8,8 +8,8 @@ from dilaserve_jax.decoding.buckets import CacheMode
 from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
 from dilaserve_jax.decoding.offline import DecodeRequest, generate_many
 from dilaserve_jax.models import load_model, test_dream
-from dilaserve_jax.serving.build import ServeConfig, build_cluster
-from dilaserve_jax.serving.fake_runner import fake_profile
+from dilaserve_jax.serving.executor.build import ServeConfig, build_cluster
+from dilaserve_jax.serving.cluster.fake_runner import fake_profile
 from tests.dream_support import write_dream_checkpoint
 from tests.frontend.conftest import ServerThread
 

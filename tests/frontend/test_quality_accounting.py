@@ -5,7 +5,7 @@ import grpc
 import pytest
 
 from tests.frontend.conftest import ServerThread, fake_cluster, status_of
-from dilaserve_jax.serving.threshold import ThresholdConfig
+from dilaserve_jax.serving.policy.threshold import ThresholdConfig
 
 TAUS = (1.0, 0.9, 0.7, 0.5)
 

@@ -7,8 +7,8 @@ import pytest
 
 from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
 from dilaserve_jax.models import load_model
-from dilaserve_jax.serving.build import ServeConfig, build_cluster
-from dilaserve_jax.serving.fake_runner import fake_tp_profile
+from dilaserve_jax.serving.executor.build import ServeConfig, build_cluster
+from dilaserve_jax.serving.cluster.fake_runner import fake_tp_profile
 from dilaserve_jax.tasks.suite import unique_problems
 from tests.frontend.conftest import ServerThread, status_of
 

@@ -7,7 +7,7 @@ from dilaserve_jax.mesh import Layout, kv_cache_sharding
 from dilaserve_jax.mesh.share import (GIB, bytes_per_device, device_bytes_per_slot, parse_device_ids, select_devices,
                                       share_layout, slots_for_device_budget, slots_within)
 from dilaserve_jax.models import test, tiny
-from dilaserve_jax.serving.build import ServeConfig, build_cluster
+from dilaserve_jax.serving.executor.build import ServeConfig, build_cluster
 
 
 def test_device_lists_parse_ranges_and_lists():

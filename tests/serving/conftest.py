@@ -1,8 +1,8 @@
 """Fake-runner fixtures shared by the serving tests (no JAX); helpers live in serving_support.py."""
 import pytest
 
-from dilaserve_jax.serving.fake_runner import fake_profile
-from dilaserve_jax.serving.latency import LatencyModel
+from dilaserve_jax.serving.cluster.fake_runner import fake_profile
+from dilaserve_jax.serving.policy.latency import LatencyModel
 
 
 @pytest.fixture(scope="session")

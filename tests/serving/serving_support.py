@@ -1,9 +1,9 @@
 """Fake-runner helpers shared by the serving tests (no JAX). A module name of its own: test
 folders without __init__.py share one import namespace, where every "conftest" collides."""
-from dilaserve_jax.serving.engine import Engine
-from dilaserve_jax.serving.fake_runner import FakeClock, FakeRunner
-from dilaserve_jax.serving.request import Request
-from dilaserve_jax.serving.scheduler import Scheduler, SchedulerConfig
+from dilaserve_jax.serving.cluster.engine import Engine
+from dilaserve_jax.serving.cluster.fake_runner import FakeClock, FakeRunner
+from dilaserve_jax.serving.policy.request import Request
+from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
 
 
 def make_engine(latency, slots=4, policy="dilaserve", difficulty=lambda p: 1.0, step_time=None, **cfg):

@@ -16,9 +16,9 @@ from dilaserve_jax.frontend.service import DiLaServeService
 from dilaserve_jax.models import load_model
 from dilaserve_jax.models.checkpoint import save_params
 from dilaserve_jax.models.registry import save_model_config
-from dilaserve_jax.serving.build import ServeConfig, build_cluster
-from dilaserve_jax.serving.checkpoint_watch import CheckpointWatcher, finalized_steps, served_step
-from dilaserve_jax.serving.fake_runner import fake_profile
+from dilaserve_jax.serving.executor.build import ServeConfig, build_cluster
+from dilaserve_jax.serving.executor.checkpoint_watch import CheckpointWatcher, finalized_steps, served_step
+from dilaserve_jax.serving.cluster.fake_runner import fake_profile
 from dilaserve_jax.tasks.train import main as train_main
 
 pytestmark = pytest.mark.slow

@@ -4,11 +4,11 @@ import time
 
 import pytest
 
-from dilaserve_jax.serving.capacity import (RequestShape, binary_partitions, layout_text, moved_fraction,
+from dilaserve_jax.serving.policy.capacity import (RequestShape, binary_partitions, layout_text, moved_fraction,
                                             parse_layout, placements)
-from dilaserve_jax.serving.controller import AtRisk, ClusterController, ControllerConfig
-from dilaserve_jax.serving.fake_runner import fake_tp_profile
-from dilaserve_jax.serving.latency import LatencyModel
+from dilaserve_jax.serving.policy.controller import AtRisk, ClusterController, ControllerConfig
+from dilaserve_jax.serving.cluster.fake_runner import fake_tp_profile
+from dilaserve_jax.serving.policy.latency import LatencyModel
 
 SHAPE = RequestShape(prompt_len=32, answer_len=64, block_len=16, slo_s=0.4)
 

@@ -2,13 +2,13 @@ import threading
 import time
 
 from serving_support import make_engine, req
-from dilaserve_jax.serving.cluster import Cluster, InstanceInfo
-from dilaserve_jax.serving.engine import Engine
-from dilaserve_jax.serving.timeline import StepTimeline
-from dilaserve_jax.serving.fake_runner import FakeRunner
-from dilaserve_jax.serving.request import Request, RequestState
-from dilaserve_jax.serving.router import Router, predict_finish
-from dilaserve_jax.serving.scheduler import Scheduler, SchedulerConfig
+from dilaserve_jax.serving.cluster.cluster import Cluster, InstanceInfo
+from dilaserve_jax.serving.cluster.engine import Engine
+from dilaserve_jax.serving.cluster.timeline import StepTimeline
+from dilaserve_jax.serving.cluster.fake_runner import FakeRunner
+from dilaserve_jax.serving.policy.request import Request, RequestState
+from dilaserve_jax.serving.policy.router import Router, predict_finish
+from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
 
 
 def test_submit_future_and_progress_callbacks(latency):

@@ -7,14 +7,15 @@ import time
 import pytest
 
 from serving_support import req
-from dilaserve_jax.serving.cluster import Cluster, DuplicateRequest, InstanceInfo
-from dilaserve_jax.serving.weights_swap import NewWeights
-from dilaserve_jax.serving.engine import Engine
-from dilaserve_jax.serving.engine_types import EngineState, EngineUnavailable
-from dilaserve_jax.serving.fake_runner import FakeRunner
-from dilaserve_jax.serving.request import RequestState
-from dilaserve_jax.serving.router import NoInstanceAvailable
-from dilaserve_jax.serving.scheduler import Scheduler, SchedulerConfig
+from dilaserve_jax.serving.cluster.cluster import Cluster, DuplicateRequest, InstanceInfo
+from dilaserve_jax.serving.cluster.weights_swap import NewWeights
+from dilaserve_jax.serving.cluster.engine import Engine
+from dilaserve_jax.serving.cluster.engine_types import EngineUnavailable
+from dilaserve_jax.serving.policy.snapshots import EngineState
+from dilaserve_jax.serving.cluster.fake_runner import FakeRunner
+from dilaserve_jax.serving.policy.request import RequestState
+from dilaserve_jax.serving.policy.router import NoInstanceAvailable
+from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
 
 STEP_S = 0.002
 

@@ -3,9 +3,9 @@ import json
 import numpy as np
 import pytest
 
-from dilaserve_jax.serving.latency import LatencyModel, Profile, ProfilePoint, fit
-from dilaserve_jax.serving.roofline import A100, H100, H200, analytic_profile, step_seconds
-from dilaserve_jax.serving.types import StepKind
+from dilaserve_jax.serving.policy.latency import LatencyModel, Profile, ProfilePoint, fit
+from dilaserve_jax.serving.policy.roofline import A100, H100, H200, analytic_profile, step_seconds
+from dilaserve_jax.serving.policy.types import StepKind
 
 R, U = StepKind.REFRESH, StepKind.REUSE
 

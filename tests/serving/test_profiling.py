@@ -4,12 +4,12 @@ import json
 import pytest
 
 from dilaserve_jax.models import load_model
-from dilaserve_jax.serving.latency import LatencyModel, Profile
-from dilaserve_jax.serving.profiling import measure_profile, refresh_reuse_ratios
-from dilaserve_jax.serving.runner import JaxRunner
-from dilaserve_jax.serving.eval_rows import prior_from_eval_json
-from dilaserve_jax.serving.threshold import ThresholdConfig, TokensPerStep
-from dilaserve_jax.serving.types import StepKind
+from dilaserve_jax.serving.policy.latency import LatencyModel, Profile
+from dilaserve_jax.serving.executor.profiling import measure_profile, refresh_reuse_ratios
+from dilaserve_jax.serving.executor.runner import JaxRunner
+from dilaserve_jax.serving.policy.eval_rows import prior_from_eval_json
+from dilaserve_jax.serving.policy.threshold import ThresholdConfig, TokensPerStep
+from dilaserve_jax.serving.policy.types import StepKind
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 from serving_support import req
-from dilaserve_jax.serving.engine import Engine
-from dilaserve_jax.serving.fake_runner import FakeClock, FakeRunner
-from dilaserve_jax.serving.quality import AccuracyModel, QualityBudget, QualityConfig, changed_commits, curve_loss
-from dilaserve_jax.serving.request import Request, RequestState
-from dilaserve_jax.serving.scheduler import Scheduler, SchedulerConfig
-from dilaserve_jax.serving.eval_rows import accuracy_from_eval_json, prior_from_eval_json, read_eval_rows
-from dilaserve_jax.serving.threshold import TAU_GRID, ThresholdConfig
+from dilaserve_jax.serving.cluster.engine import Engine
+from dilaserve_jax.serving.cluster.fake_runner import FakeClock, FakeRunner
+from dilaserve_jax.serving.policy.quality import AccuracyModel, QualityBudget, QualityConfig, changed_commits, curve_loss
+from dilaserve_jax.serving.policy.request import Request, RequestState
+from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
+from dilaserve_jax.serving.policy.eval_rows import accuracy_from_eval_json, prior_from_eval_json, read_eval_rows
+from dilaserve_jax.serving.policy.threshold import TAU_GRID, ThresholdConfig
 
 TAUS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 SAFE_ACC = dict(zip(TAUS, (0.95, 0.95, 0.95, 0.95, 0.95, 0.94)))

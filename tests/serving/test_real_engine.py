@@ -14,13 +14,13 @@ from flax import nnx
 from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
 from dilaserve_jax.models import CharTokenizer, init_model, load_model, test
 from dilaserve_jax.models.registry import ASSETS
-from dilaserve_jax.serving.engine import Engine
-from dilaserve_jax.serving.latency import LatencyModel
-from dilaserve_jax.serving.profiling import measure_profile
-from dilaserve_jax.serving.request import RequestState, make_request
-from dilaserve_jax.serving.runner import JaxRunner
-from dilaserve_jax.serving.scheduler import Scheduler, SchedulerConfig
-from dilaserve_jax.serving.types import StepKind
+from dilaserve_jax.serving.cluster.engine import Engine
+from dilaserve_jax.serving.policy.latency import LatencyModel
+from dilaserve_jax.serving.executor.profiling import measure_profile
+from dilaserve_jax.serving.policy.request import RequestState, make_request
+from dilaserve_jax.serving.executor.runner import JaxRunner
+from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
+from dilaserve_jax.serving.policy.types import StepKind
 from dilaserve_jax.tasks.suite import unique_problems
 
 SLOTS, LENGTH, BLOCK_BUCKET = 4, 64, 16

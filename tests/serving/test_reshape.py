@@ -7,15 +7,15 @@ import time
 import pytest
 
 from serving_support import req
-from dilaserve_jax.serving.autoscale import Autoscaler
-from dilaserve_jax.serving.capacity import parse_layout, placements
-from dilaserve_jax.serving.cluster import Cluster, ClusterBusy, InstanceInfo
-from dilaserve_jax.serving.controller import ClusterController, ControllerConfig
-from dilaserve_jax.serving.engine import Engine
-from dilaserve_jax.serving.fake_runner import FakeRunner, fake_tp_profile, tp_step_time
-from dilaserve_jax.serving.latency import LatencyModel
-from dilaserve_jax.serving.request import RequestState
-from dilaserve_jax.serving.scheduler import Scheduler, SchedulerConfig
+from dilaserve_jax.serving.cluster.autoscale import Autoscaler
+from dilaserve_jax.serving.policy.capacity import parse_layout, placements
+from dilaserve_jax.serving.cluster.cluster import Cluster, ClusterBusy, InstanceInfo
+from dilaserve_jax.serving.policy.controller import ClusterController, ControllerConfig
+from dilaserve_jax.serving.cluster.engine import Engine
+from dilaserve_jax.serving.cluster.fake_runner import FakeRunner, fake_tp_profile, tp_step_time
+from dilaserve_jax.serving.policy.latency import LatencyModel
+from dilaserve_jax.serving.policy.request import RequestState
+from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
 
 DEVICES = 8
 

@@ -1,8 +1,8 @@
 import pytest
 
 from serving_support import make_engine, req
-from dilaserve_jax.serving.request import RequestState
-from dilaserve_jax.serving.types import StepKind
+from dilaserve_jax.serving.policy.request import RequestState
+from dilaserve_jax.serving.policy.types import StepKind
 
 
 def _finish_order(engine, reqs):
@@ -84,8 +84,8 @@ def test_at_risk_request_stops_delaying_feasible_ones(latency):
     def step_time(kind, b, l, k):
         return b * (4e-3 if kind == StepKind.REFRESH else 1e-3)
 
-    from dilaserve_jax.serving.latency import LatencyModel
-    from dilaserve_jax.serving.fake_runner import fake_profile
+    from dilaserve_jax.serving.policy.latency import LatencyModel
+    from dilaserve_jax.serving.cluster.fake_runner import fake_profile
     lat = LatencyModel.from_profile(fake_profile(step_time))
 
     def run(with_hopeless):

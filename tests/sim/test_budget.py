@@ -3,9 +3,9 @@ build it, a modelled request reports its first-step evidence, and the report car
 import numpy as np
 import pytest
 
-from dilaserve_jax.serving.fake_runner import fake_profile
-from dilaserve_jax.serving.threshold import ThresholdConfig
-from dilaserve_jax.serving.types import StepKind
+from dilaserve_jax.serving.cluster.fake_runner import fake_profile
+from dilaserve_jax.serving.policy.threshold import ThresholdConfig
+from dilaserve_jax.serving.policy.types import StepKind
 from dilaserve_jax.sim.executor import ModelledRunner, VirtualClock
 from dilaserve_jax.sim.quality import LLADA_8B_GSM8K, QualityModel, make_plan
 from dilaserve_jax.sim.report import summarize

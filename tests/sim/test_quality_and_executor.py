@@ -5,9 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from dilaserve_jax.serving.fake_runner import fake_profile
-from dilaserve_jax.serving.latency import LatencyModel
-from dilaserve_jax.serving.types import StepKind
+from dilaserve_jax.serving.cluster.fake_runner import fake_profile
+from dilaserve_jax.serving.policy.latency import LatencyModel
+from dilaserve_jax.serving.policy.types import StepKind
 from dilaserve_jax.sim.executor import ModelledRunner, StepTimeModel, VirtualClock, advance
 from dilaserve_jax.sim.quality import LLADA_8B_GSM8K, Progress, QualityModel, make_plan
 from dilaserve_jax.sim.setup import ASSETS

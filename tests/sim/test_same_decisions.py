@@ -13,11 +13,11 @@ import time
 import numpy as np
 import pytest
 
-from dilaserve_jax.serving.engine import Engine
-from dilaserve_jax.serving.fake_runner import FakeClock, FakeRunner, fake_profile
-from dilaserve_jax.serving.latency import LatencyModel
-from dilaserve_jax.serving.scheduler import Scheduler, SchedulerConfig
-from dilaserve_jax.serving.threshold import ThresholdConfig
+from dilaserve_jax.serving.cluster.engine import Engine
+from dilaserve_jax.serving.cluster.fake_runner import FakeClock, FakeRunner, fake_profile
+from dilaserve_jax.serving.policy.latency import LatencyModel
+from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
+from dilaserve_jax.serving.policy.threshold import ThresholdConfig
 from dilaserve_jax.sim.simulator import SimConfig, Simulation
 from dilaserve_jax.sim.workload import RequestSpec
 

@@ -7,10 +7,10 @@ import textwrap
 import numpy as np
 import pytest
 
-from dilaserve_jax.serving.capacity import moved_fraction
-from dilaserve_jax.serving.controller import ControllerConfig
-from dilaserve_jax.serving.fake_runner import FakeRunner, fake_tp_profile
-from dilaserve_jax.serving.latency import LatencyModel
+from dilaserve_jax.serving.policy.capacity import moved_fraction
+from dilaserve_jax.serving.policy.controller import ControllerConfig
+from dilaserve_jax.serving.cluster.fake_runner import FakeRunner, fake_tp_profile
+from dilaserve_jax.serving.policy.latency import LatencyModel
 from dilaserve_jax.sim.cluster import ARRIVAL, CONTROL, SwitchCost, instance_infos, received_per_device
 from dilaserve_jax.sim.report import summarize
 from dilaserve_jax.sim.setup import setup_model
@@ -166,7 +166,7 @@ def test_sim_imports_and_runs_without_jax(tmp_path):
 
 
 def test_cli_reports_and_refuses_bad_input(tmp_path, capsys):
-    from dilaserve_jax.serving.fake_runner import fake_profile
+    from dilaserve_jax.serving.cluster.fake_runner import fake_profile
     from dilaserve_jax.sim.__main__ import main
 
     csv = tmp_path / "trace.csv"

@@ -18,18 +18,18 @@ from dilaserve_jax.kernels import describe_attention
 from dilaserve_jax.mesh import Layout, check_model_tp, load_into_layout
 from dilaserve_jax.mesh.share import GIB, bytes_per_device, device_bytes_per_slot, share_layout, slots_within
 from dilaserve_jax.models.hf import abstract_params
-from dilaserve_jax.serving import limits as defaults
-from dilaserve_jax.serving.autoscale import MODES, Autoscaler
-from dilaserve_jax.serving.capacity import parse_layout
-from dilaserve_jax.serving.cluster import Cluster
-from dilaserve_jax.serving.controller import ClusterController, ControllerConfig
-from dilaserve_jax.serving.instances import JaxInstanceBuilder, instance_info, instance_name
-from dilaserve_jax.serving.latency import LatencyModel, Profile
-from dilaserve_jax.serving.limits import Limits
-from dilaserve_jax.serving.quality import BUDGET_MODES
-from dilaserve_jax.serving.scheduler import POLICIES
-from dilaserve_jax.serving.eval_rows import describe_priors, eval_rows_beside, read_eval_rows
-from dilaserve_jax.serving.threshold import ThresholdConfig
+from dilaserve_jax.serving.policy import limits as defaults
+from dilaserve_jax.serving.cluster.autoscale import MODES, Autoscaler
+from dilaserve_jax.serving.policy.capacity import parse_layout
+from dilaserve_jax.serving.cluster.cluster import Cluster
+from dilaserve_jax.serving.policy.controller import ClusterController, ControllerConfig
+from dilaserve_jax.serving.executor.instances import JaxInstanceBuilder, instance_info, instance_name
+from dilaserve_jax.serving.policy.latency import LatencyModel, Profile
+from dilaserve_jax.serving.policy.limits import Limits
+from dilaserve_jax.serving.policy.quality import BUDGET_MODES
+from dilaserve_jax.serving.policy.scheduler import POLICIES
+from dilaserve_jax.serving.policy.eval_rows import describe_priors, eval_rows_beside, read_eval_rows
+from dilaserve_jax.serving.policy.threshold import ThresholdConfig
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class ServeConfig:
     tau_min: float = defaults.DEFAULT_TAU_MIN
     tau_max: float = defaults.DEFAULT_TAU_MAX
     step_timeout_s: float | None = defaults.DEFAULT_STEP_TIMEOUT_S  # watchdog; None disables
-    controller: str = "auto"  # auto | paused | manual (see serving/autoscale.py)
+    controller: str = "auto"  # auto | paused | manual (see serving/cluster/autoscale.py)
     layouts: tuple[str, ...] = ()  # layouts the controller may choose; default: every partition
     controller_config: ControllerConfig = field(default_factory=ControllerConfig)
     profile: str | None = None  # latency profile JSON; default: measured on the instances at start-up
@@ -257,7 +257,7 @@ def _threshold_config(cfg: ServeConfig, source: str, say) -> ThresholdConfig:
 
 def _provisional_latency() -> LatencyModel:
     """Used only until the start-up measurement replaces it (no request is scheduled before)."""
-    from dilaserve_jax.serving.fake_runner import fake_profile
+    from dilaserve_jax.serving.cluster.fake_runner import fake_profile
 
     return LatencyModel.from_profile(fake_profile())
 

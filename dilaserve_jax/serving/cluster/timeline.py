@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 from typing import Sequence
 
-from dilaserve_jax.serving.types import SlotOutcome, StepPlan
+from dilaserve_jax.serving.policy.types import SlotOutcome, StepPlan
 
 
 class StepTimeline:

@@ -24,8 +24,8 @@ import jax
 import numpy as np
 
 from dilaserve_jax.decoding.decoder import SlotDecoder
-from dilaserve_jax.serving.latency import Profile, ProfilePoint
-from dilaserve_jax.serving.types import StepKind
+from dilaserve_jax.serving.policy.latency import Profile, ProfilePoint
+from dilaserve_jax.serving.policy.types import StepKind
 
 _MAX_ATTEMPTS = 8  # dummy prompts tried before giving up on setting up a reuse step
 

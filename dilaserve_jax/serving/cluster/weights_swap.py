@@ -10,10 +10,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from dilaserve_jax.serving.engine_types import EngineUnavailable
+from dilaserve_jax.serving.cluster.engine_types import EngineUnavailable
 
 if TYPE_CHECKING:
-    from dilaserve_jax.serving.cluster import Cluster
+    from dilaserve_jax.serving.cluster.cluster import Cluster
 
 
 class WeightsError(ValueError):
@@ -45,7 +45,7 @@ def swap_weights(cluster: Cluster, make: Callable[[], NewWeights], timeout: floa
     get the weights from `make()` and swap them into every healthy engine. An engine that fails
     meanwhile is skipped (its requests moved to the others); the loader's errors pass through and
     the old weights keep serving."""
-    from dilaserve_jax.serving.cluster import ClusterBusy
+    from dilaserve_jax.serving.cluster.cluster import ClusterBusy
 
     admin = cluster._admin
     got = admin.acquire(blocking=False) if wait_s is None else admin.acquire(timeout=wait_s)

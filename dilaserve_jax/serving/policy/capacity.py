@@ -22,8 +22,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from dilaserve_jax.serving.latency import LatencyModel
-from dilaserve_jax.serving.types import StepKind
+from dilaserve_jax.serving.policy.latency import LatencyModel
+from dilaserve_jax.serving.policy.types import StepKind
 
 RATE_POINTS = 48
 

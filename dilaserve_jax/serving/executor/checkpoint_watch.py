@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from dilaserve_jax.serving.cluster import Cluster, ClusterBusy
+from dilaserve_jax.serving.cluster.cluster import Cluster, ClusterBusy
 
 log = logging.getLogger(__name__)
 

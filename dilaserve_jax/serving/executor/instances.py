@@ -1,5 +1,5 @@
 """Executor side of the instances: weights per instance, runners and engines, warm-up, latency
-profiles, weight reload and the `InstanceBuilder` a reconfiguration uses (serving/reshape.py).
+profiles, weight reload and the `InstanceBuilder` a reconfiguration uses (serving/cluster/reshape.py).
 
 Instance names say what they are: `tp4@0-3` is TP 4 on devices 0-3, `tp1@6` one device. An
 instance present in two layouts has the same name in both, and a reconfiguration keeps it.
@@ -18,12 +18,12 @@ from jax.sharding import PartitionSpec as P
 from dilaserve_jax.decoding.compiled import CompiledSteps
 from dilaserve_jax.decoding.state import bytes_per_slot, init_state, state_shardings
 from dilaserve_jax.mesh import Instance, Layout, kv_cache_sharding, reshard
-from dilaserve_jax.serving.cluster import InstanceInfo
-from dilaserve_jax.serving.weights_swap import IncompatibleWeights, NewWeights, WeightsError
-from dilaserve_jax.serving.engine import Engine
-from dilaserve_jax.serving.latency import LatencyModel
-from dilaserve_jax.serving.runner import JaxRunner
-from dilaserve_jax.serving.scheduler import Scheduler, SchedulerConfig
+from dilaserve_jax.serving.cluster.cluster import InstanceInfo
+from dilaserve_jax.serving.cluster.weights_swap import IncompatibleWeights, NewWeights, WeightsError
+from dilaserve_jax.serving.cluster.engine import Engine
+from dilaserve_jax.serving.policy.latency import LatencyModel
+from dilaserve_jax.serving.executor.runner import JaxRunner
+from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class JaxInstanceBuilder:
         engine.set_latency_model(self.latency[tp]).result()
 
     def measure(self, engine: Engine) -> LatencyModel:
-        from dilaserve_jax.serving.profiling import measure_profile
+        from dilaserve_jax.serving.executor.profiling import measure_profile
 
         t = time.perf_counter()
         profile = engine.call(lambda r=engine.runner: measure_profile(
@@ -108,7 +108,7 @@ class JaxInstanceBuilder:
         self.latency[tp] = model
         return model
 
-    # --- InstanceBuilder (serving/reshape.py) ---
+    # --- InstanceBuilder (serving/cluster/reshape.py) ---
     def plan(self, spec: str) -> list[InstanceInfo]:
         if jax.process_count() > 1:
             raise ValueError("run-time reconfiguration works within one process only")

@@ -14,9 +14,9 @@ import threading
 import time
 from typing import Callable
 
-from dilaserve_jax.serving.capacity import RequestShape
-from dilaserve_jax.serving.controller import AtRisk, ClusterController, Decision, Migration
-from dilaserve_jax.serving.request import Request
+from dilaserve_jax.serving.policy.capacity import RequestShape
+from dilaserve_jax.serving.policy.controller import AtRisk, ClusterController, Decision, Migration
+from dilaserve_jax.serving.policy.request import Request
 
 log = logging.getLogger(__name__)
 MODES = ("auto", "paused", "manual")

@@ -7,7 +7,7 @@ only when no instance survives do they fail, with `NoInstanceAvailable` naming t
 watchdog thread fails an instance whose runner call outlives `step_timeout_s`.
 
 Pure Python over engines: which runners they drive (real jitted decoding, or the fake runner in
-tests) is decided by whoever builds the cluster (see serving/build.py for the real one).
+tests) is decided by whoever builds the cluster (see serving/executor/build.py for the real one).
 """
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from dilaserve_jax.serving.engine import Engine
-from dilaserve_jax.serving.engine_types import EngineUnavailable, Handoff, ProgressFn, RequestHandle, RequestResult
-from dilaserve_jax.serving.limits import DEFAULT_STEP_TIMEOUT_S
-from dilaserve_jax.serving.request import Request, RequestState
-from dilaserve_jax.serving.router import NoInstanceAvailable, Router
+from dilaserve_jax.serving.cluster.engine import Engine
+from dilaserve_jax.serving.cluster.engine_types import EngineUnavailable, Handoff, ProgressFn, RequestHandle, RequestResult
+from dilaserve_jax.serving.policy.limits import DEFAULT_STEP_TIMEOUT_S
+from dilaserve_jax.serving.policy.request import Request, RequestState
+from dilaserve_jax.serving.policy.router import NoInstanceAvailable, Router
 
 if TYPE_CHECKING:
-    from dilaserve_jax.serving.weights_swap import NewWeights, ReloadReport
+    from dilaserve_jax.serving.cluster.weights_swap import NewWeights, ReloadReport
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +319,7 @@ class Cluster:
         with a refresh (its cached K/V came from the old ones). Raises ClusterBusy if another
         reload or reconfiguration is under way; the loader's errors pass through unchanged (the
         old weights keep serving)."""
-        from dilaserve_jax.serving.weights_swap import swap_weights
+        from dilaserve_jax.serving.cluster.weights_swap import swap_weights
 
         if self._loader is None:
             raise ValueError("this cluster cannot reload weights")
@@ -331,7 +331,7 @@ class Cluster:
         training job) in, exactly as `reload` does after loading. `new` may be a function giving them,
         called while no reload or reconfiguration can start. `wait_s`: how long to wait for one under
         way (None: raise ClusterBusy at once)."""
-        from dilaserve_jax.serving.weights_swap import swap_weights
+        from dilaserve_jax.serving.cluster.weights_swap import swap_weights
 
         return swap_weights(self, new if callable(new) else lambda: new, timeout, wait_s, origin)
 
@@ -340,14 +340,14 @@ class Cluster:
         self._status = {**self._status, name: status}
 
     def reconfigure(self, spec: str, reason: str = "manual"):
-        """Reshape the devices into the layout `spec` while serving (see serving/reshape.py)."""
-        from dilaserve_jax.serving.reshape import reconfigure
+        """Reshape the devices into the layout `spec` while serving (see serving/cluster/reshape.py)."""
+        from dilaserve_jax.serving.cluster.reshape import reconfigure
 
         return reconfigure(self, spec, reason)
 
     def migrate(self, request_id: str, target: str, reason: str = "rebalance", timeout: float = 60.0) -> bool:
         """Move one request to instance `target` at its next step boundary (False if it is gone)."""
-        from dilaserve_jax.serving.reshape import migrate
+        from dilaserve_jax.serving.cluster.reshape import migrate
 
         return migrate(self, request_id, target, reason, timeout)
 

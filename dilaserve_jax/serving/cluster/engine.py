@@ -26,12 +26,12 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
-from dilaserve_jax.serving.engine_types import (EngineSnapshot, EngineState, EngineUnavailable, FailureFn, Handoff,
-                                                HungStep, ProgressFn, RequestHandle, RequestResult, StepHook,
-                                                StepProgress, own_time)
-from dilaserve_jax.serving.request import Request, RequestState
-from dilaserve_jax.serving.scheduler import Scheduler
-from dilaserve_jax.serving.types import Runner, StepPlan
+from dilaserve_jax.serving.cluster.engine_types import (EngineUnavailable, FailureFn, Handoff, HungStep, ProgressFn,
+                                                        RequestHandle, RequestResult, StepHook, StepProgress)
+from dilaserve_jax.serving.policy.snapshots import EngineSnapshot, EngineState, own_time
+from dilaserve_jax.serving.policy.request import Request, RequestState
+from dilaserve_jax.serving.policy.scheduler import Scheduler
+from dilaserve_jax.serving.policy.types import Runner, StepPlan
 
 log = logging.getLogger(__name__)
 

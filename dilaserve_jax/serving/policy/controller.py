@@ -31,11 +31,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from dilaserve_jax.serving.capacity import (LayoutPrediction, RequestShape, binary_partitions, evaluate_layouts,
+from dilaserve_jax.serving.policy.capacity import (LayoutPrediction, RequestShape, binary_partitions, evaluate_layouts,
                                             instance_curves, layout_text, moved_fraction, parse_layout, placements)
-from dilaserve_jax.serving.latency import LatencyModel
-from dilaserve_jax.serving.threshold import DEFAULT_PRIOR
-from dilaserve_jax.serving.types import StepKind
+from dilaserve_jax.serving.policy.latency import LatencyModel
+from dilaserve_jax.serving.policy.threshold import DEFAULT_PRIOR
+from dilaserve_jax.serving.policy.types import StepKind
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,11 +22,11 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from dilaserve_jax.serving.latency import LatencyModel
-from dilaserve_jax.serving.quality import QualitySnapshot
-from dilaserve_jax.serving.request import Request, RequestState, steps_left
-from dilaserve_jax.serving.threshold import Decision, ThresholdConfig, ThresholdController
-from dilaserve_jax.serving.types import Admission, SlotOutcome, StepKind, StepPlan
+from dilaserve_jax.serving.policy.latency import LatencyModel
+from dilaserve_jax.serving.policy.quality import QualitySnapshot
+from dilaserve_jax.serving.policy.request import Request, RequestState, steps_left
+from dilaserve_jax.serving.policy.threshold import Decision, ThresholdConfig, ThresholdController
+from dilaserve_jax.serving.policy.types import Admission, SlotOutcome, StepKind, StepPlan
 
 POLICIES = ("fcfs-static", "edf-static", "dilaserve")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from dilaserve_jax.serving.latency import Profile, ProfilePoint
-from dilaserve_jax.serving.types import StepKind
+from dilaserve_jax.serving.policy.latency import Profile, ProfilePoint
+from dilaserve_jax.serving.policy.types import StepKind
 
 
 @dataclass(frozen=True, slots=True)

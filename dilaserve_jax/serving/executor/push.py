@@ -28,8 +28,8 @@ import jax
 from dilaserve_jax.mesh.layout import Instance, Layout
 from dilaserve_jax.mesh.sharding import param_shardings
 from dilaserve_jax.mesh.transfer import TransferPlan
-from dilaserve_jax.serving.cluster import Cluster
-from dilaserve_jax.serving.weights_swap import IncompatibleWeights, WeightsError
+from dilaserve_jax.serving.cluster.cluster import Cluster
+from dilaserve_jax.serving.cluster.weights_swap import IncompatibleWeights, WeightsError
 
 
 def params_of(model_or_params):
@@ -107,7 +107,7 @@ class WeightPusher:
     def complete(self, pushed: Dispatched, timeout: float | None = 600.0, wait_s: float | None = 600.0,
                  attempts: int = 3):
         """Copy to the other instances, wait for every copy, swap in; returns the ReloadReport."""
-        from dilaserve_jax.serving.instances import instance_name
+        from dilaserve_jax.serving.executor.instances import instance_name
 
         for _ in range(attempts):
             layout = self.builder.layout

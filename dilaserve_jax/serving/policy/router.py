@@ -11,8 +11,8 @@ from __future__ import annotations
 import heapq
 from typing import Sequence
 
-from dilaserve_jax.serving.engine_types import EngineSnapshot, own_time
-from dilaserve_jax.serving.request import Request
+from dilaserve_jax.serving.policy.snapshots import EngineSnapshot, own_time
+from dilaserve_jax.serving.policy.request import Request
 
 
 class NoInstanceAvailable(RuntimeError):

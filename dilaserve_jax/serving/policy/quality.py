@@ -96,7 +96,7 @@ class AccuracyModel:
     def from_eval(cls, path_or_rows: str | Path | Iterable[Mapping], tasks: Sequence[str] | None = None
                   ) -> "AccuracyModel":
         """From `python -m dilaserve_jax.tasks.eval --json` rows (refused without accuracy)."""
-        from dilaserve_jax.serving.eval_rows import accuracy_from_eval_json, read_eval_rows
+        from dilaserve_jax.serving.policy.eval_rows import accuracy_from_eval_json, read_eval_rows
 
         rows = read_eval_rows(path_or_rows, tasks)
         pooled = tuple(sorted(accuracy_from_eval_json(rows).items()))

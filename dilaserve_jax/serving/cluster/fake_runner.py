@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from dilaserve_jax.serving.latency import Profile, ProfilePoint
-from dilaserve_jax.serving.types import SlotOutcome, StepKind
+from dilaserve_jax.serving.policy.latency import Profile, ProfilePoint
+from dilaserve_jax.serving.policy.types import SlotOutcome, StepKind
 
 StepTimeFn = Callable[[StepKind, int, int, int], float]  # (kind, batch, canvas, block) -> seconds
 

@@ -17,7 +17,7 @@ the same devices: its engine, weights and requests stay untouched) and replaces 
    on; the final response names the instance that finished. The removed engines stop and their
    weights are dropped.
 
-Pure Python over the `InstanceBuilder` protocol; serving/build.py implements it with JAX.
+Pure Python over the `InstanceBuilder` protocol; serving/executor/build.py implements it with JAX.
 """
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, Sequence
 
-from dilaserve_jax.serving.engine import Engine
-from dilaserve_jax.serving.engine_types import Handoff
+from dilaserve_jax.serving.cluster.engine import Engine
+from dilaserve_jax.serving.cluster.engine_types import Handoff
 
 if TYPE_CHECKING:
-    from dilaserve_jax.serving.cluster import Cluster, InstanceInfo
+    from dilaserve_jax.serving.cluster.cluster import Cluster, InstanceInfo
 
 
 class InstanceBuilder(Protocol):
@@ -80,7 +80,7 @@ class ReshapeReport:
 
 
 def reconfigure(cluster: "Cluster", spec: str, reason: str = "manual") -> ReshapeReport:
-    from dilaserve_jax.serving.cluster import ClusterBusy
+    from dilaserve_jax.serving.cluster.cluster import ClusterBusy
 
     builder = cluster.builder
     if builder is None:
@@ -180,7 +180,7 @@ def migrate(cluster: "Cluster", request_id: str, target: str, reason: str, timeo
 
 
 def _canonical(infos) -> str:
-    from dilaserve_jax.serving.capacity import layout_text
+    from dilaserve_jax.serving.policy.capacity import layout_text
 
     return layout_text([i.tp_degree for i in infos])
 
