@@ -64,7 +64,7 @@ def _length_buckets(cfg, sample) -> tuple[int, ...]:
 
 
 def _decoder(model, cache: str, slots: int, lengths, blocks, progress: bool):
-    from dilaserve_jax.decoding.buckets import CacheMode
+    from dilaserve_jax.core.kinds import CacheMode
     from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
 
     return SlotDecoder(model.config, model.graphdef, model.params,
@@ -120,7 +120,7 @@ def time_steps(cfg, graphdef, params, *, batch: int, length: int, block: int, pr
     Every slot holds `prompt`; a slot that finishes while timed (its answer ended) is an error,
     since its next step would not be the shape being measured.
     """
-    from dilaserve_jax.decoding.buckets import CacheMode
+    from dilaserve_jax.core.kinds import CacheMode
     from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
 
     dec = SlotDecoder(cfg, graphdef, params, DecoderConfig(batch, (length,), (block,), CacheMode.DUAL),

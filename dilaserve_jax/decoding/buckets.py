@@ -9,21 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from dilaserve_jax.core.kinds import CacheMode
 from dilaserve_jax.decoding.shift import dual_queries
-
-
-class CacheMode(str, Enum):
-    """How reuse steps use the approximate KV cache.
-
-    NONE: every step is a full forward (exact baseline; no cache is allocated).
-    PREFIX: reuse steps recompute the current block and everything after it, against the cached
-      K/V of the prefix.
-    DUAL: reuse steps compute the current block only, against cached K/V on both sides.
-    """
-
-    NONE = "none"
-    PREFIX = "prefix"
-    DUAL = "dual"
 
 
 class StepType(str, Enum):

@@ -15,7 +15,8 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from dilaserve_jax.decoding.buckets import (CacheMode, StepShape, StepType, bucket_for, powers_of_two_up_to,
+from dilaserve_jax.core.kinds import CacheMode
+from dilaserve_jax.decoding.buckets import (StepShape, StepType, bucket_for, powers_of_two_up_to,
                                             prefix_query_buckets, shapes_for)
 from dilaserve_jax.decoding.compiled import ADMIT, CompiledSteps, leaf_placement, put_small, replicated_on
 from dilaserve_jax.decoding.shift import dual_queries

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from dilaserve_jax.decoding.buckets import CacheMode
+from dilaserve_jax.core.kinds import CacheMode
 from dilaserve_jax.decoding.decoder import SlotDecoder
 
 

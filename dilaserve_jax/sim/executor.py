@@ -18,7 +18,8 @@ import numpy as np
 
 from dilaserve_jax.serving.cluster.fake_runner import FakeClock
 from dilaserve_jax.serving.policy.latency import LatencyModel, Profile
-from dilaserve_jax.serving.policy.types import SlotOutcome, StepKind
+from dilaserve_jax.serving.policy.types import SlotOutcome
+from dilaserve_jax.core.kinds import StepKind
 from dilaserve_jax.sim.quality import Progress, QualityModel, RequestPlan
 
 TOKEN = 1  # the modelled runner's stand-in token id (answers are counted, not read)

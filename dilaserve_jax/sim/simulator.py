@@ -310,7 +310,7 @@ def _progress(total: int, label: str, enabled: bool):
 def idle_latency(spec: RequestSpec, plan: RequestPlan, quality: QualityModel, step_time: StepTimeModel,
                  tau: float, tp: int) -> float:
     """Seconds to serve the request alone on an idle TP-`tp` instance at a constant τ (no noise)."""
-    from dilaserve_jax.serving.policy.types import StepKind
+    from dilaserve_jax.core.kinds import StepKind
     from dilaserve_jax.sim.quality import Progress
 
     canvas = len(spec.prompt_tokens) + spec.answer_length

@@ -6,7 +6,7 @@ placement only (not on weight values), so tests compile each step shape once per
 import pytest
 from flax import nnx
 
-from dilaserve_jax.decoding.buckets import CacheMode
+from dilaserve_jax.core.kinds import CacheMode
 from dilaserve_jax.decoding.compiled import CompiledSteps
 from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
 from dilaserve_jax.models import init_model, test

@@ -3,7 +3,7 @@ Dream's own), refresh-every-step caches are cache none, and reuse steps score a 
 position with the row before the block."""
 import pytest
 
-from dilaserve_jax.decoding.buckets import CacheMode
+from dilaserve_jax.core.kinds import CacheMode
 from dilaserve_jax.decoding.compiled import CompiledSteps
 from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
 from dilaserve_jax.decoding.reference import generate

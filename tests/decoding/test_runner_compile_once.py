@@ -6,7 +6,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dilaserve_jax.decoding.state import state_shardings
 from dilaserve_jax.serving.executor.runner import JaxRunner
-from dilaserve_jax.serving.policy.types import Runner, StepKind
+from dilaserve_jax.serving.policy.types import Runner
+from dilaserve_jax.core.kinds import StepKind
 from fastdecode_support import prompts
 
 

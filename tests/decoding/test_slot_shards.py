@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from dilaserve_jax.decoding.buckets import CacheMode
+from dilaserve_jax.core.kinds import CacheMode
 from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
 from dilaserve_jax.decoding.slot_shards import (per_shard_counts, replicated, shard_rows, shards_of, slot_mesh,
                                                 slot_sharding)

@@ -1,7 +1,8 @@
 """Slot sizing from a memory budget, bucket helpers and configuration validation (no compilation)."""
 import pytest
 
-from dilaserve_jax.decoding.buckets import (CacheMode, StepShape, StepType, bucket_for, powers_of_two_up_to,
+from dilaserve_jax.core.kinds import CacheMode
+from dilaserve_jax.decoding.buckets import (StepShape, StepType, bucket_for, powers_of_two_up_to,
                                             prefix_query_buckets, shapes_for)
 from dilaserve_jax.decoding.decoder import DecoderConfig
 from dilaserve_jax.decoding.state import bytes_per_slot, init_state, kv_bytes_per_slot, slots_for_budget

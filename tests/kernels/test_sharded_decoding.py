@@ -15,7 +15,8 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dilaserve_jax.decoding.buckets import CacheMode, StepShape, StepType
+from dilaserve_jax.decoding.buckets import StepShape, StepType
+from dilaserve_jax.core.kinds import CacheMode
 from dilaserve_jax.decoding.compiled import CompiledSteps, leaf_placement
 from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
 from dilaserve_jax.decoding.offline import DecodeRequest, generate_many

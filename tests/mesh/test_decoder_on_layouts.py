@@ -4,7 +4,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dilaserve_jax.decoding.buckets import CacheMode
+from dilaserve_jax.core.kinds import CacheMode
 from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
 from dilaserve_jax.decoding.offline import DecodeRequest, generate_many
 from dilaserve_jax.decoding.state import init_state, state_shardings

@@ -5,7 +5,7 @@ import pytest
 
 from dilaserve_jax.serving.policy.latency import LatencyModel, Profile, ProfilePoint, fit
 from dilaserve_jax.serving.policy.roofline import A100, H100, H200, analytic_profile, step_seconds
-from dilaserve_jax.serving.policy.types import StepKind
+from dilaserve_jax.core.kinds import StepKind
 
 R, U = StepKind.REFRESH, StepKind.REUSE
 

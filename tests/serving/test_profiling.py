@@ -9,7 +9,7 @@ from dilaserve_jax.serving.executor.profiling import measure_profile, refresh_re
 from dilaserve_jax.serving.executor.runner import JaxRunner
 from dilaserve_jax.serving.policy.eval_rows import prior_from_eval_json
 from dilaserve_jax.serving.policy.threshold import ThresholdConfig, TokensPerStep
-from dilaserve_jax.serving.policy.types import StepKind
+from dilaserve_jax.core.kinds import StepKind
 
 
 @pytest.fixture(scope="module")

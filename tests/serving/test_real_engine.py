@@ -20,7 +20,7 @@ from dilaserve_jax.serving.executor.profiling import measure_profile
 from dilaserve_jax.serving.policy.request import RequestState, make_request
 from dilaserve_jax.serving.executor.runner import JaxRunner
 from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
-from dilaserve_jax.serving.policy.types import StepKind
+from dilaserve_jax.core.kinds import StepKind
 from dilaserve_jax.tasks.suite import unique_problems
 
 SLOTS, LENGTH, BLOCK_BUCKET = 4, 64, 16

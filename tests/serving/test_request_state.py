@@ -2,7 +2,7 @@
 import pytest
 
 from dilaserve_jax.serving.policy.request import IllegalTransition, Request, RequestState
-from dilaserve_jax.serving.policy.types import StepKind
+from dilaserve_jax.core.kinds import StepKind
 
 
 def _req():

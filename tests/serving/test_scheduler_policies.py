@@ -2,7 +2,7 @@ import pytest
 
 from serving_support import make_engine, req
 from dilaserve_jax.serving.policy.request import RequestState
-from dilaserve_jax.serving.policy.types import StepKind
+from dilaserve_jax.core.kinds import StepKind
 
 
 def _finish_order(engine, reqs):

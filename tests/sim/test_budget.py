@@ -5,7 +5,7 @@ import pytest
 
 from dilaserve_jax.serving.cluster.fake_runner import fake_profile
 from dilaserve_jax.serving.policy.threshold import ThresholdConfig
-from dilaserve_jax.serving.policy.types import StepKind
+from dilaserve_jax.core.kinds import StepKind
 from dilaserve_jax.sim.executor import ModelledRunner, VirtualClock
 from dilaserve_jax.sim.quality import LLADA_8B_GSM8K, QualityModel, make_plan
 from dilaserve_jax.sim.report import summarize

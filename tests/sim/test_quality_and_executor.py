@@ -7,7 +7,7 @@ import pytest
 
 from dilaserve_jax.serving.cluster.fake_runner import fake_profile
 from dilaserve_jax.serving.policy.latency import LatencyModel
-from dilaserve_jax.serving.policy.types import StepKind
+from dilaserve_jax.core.kinds import StepKind
 from dilaserve_jax.sim.executor import ModelledRunner, StepTimeModel, VirtualClock, advance
 from dilaserve_jax.sim.quality import LLADA_8B_GSM8K, Progress, QualityModel, make_plan
 from dilaserve_jax.sim.setup import ASSETS

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from dilaserve_jax.serving.policy.latency import Profile, ProfilePoint
-from dilaserve_jax.serving.policy.types import SlotOutcome, StepKind
+from dilaserve_jax.serving.policy.types import SlotOutcome
+from dilaserve_jax.core.kinds import StepKind
 
 StepTimeFn = Callable[[StepKind, int, int, int], float]  # (kind, batch, canvas, block) -> seconds
 

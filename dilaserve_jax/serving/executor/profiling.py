@@ -25,7 +25,7 @@ import numpy as np
 
 from dilaserve_jax.decoding.decoder import SlotDecoder
 from dilaserve_jax.serving.policy.latency import Profile, ProfilePoint
-from dilaserve_jax.serving.policy.types import StepKind
+from dilaserve_jax.core.kinds import StepKind
 
 _MAX_ATTEMPTS = 8  # dummy prompts tried before giving up on setting up a reuse step
 

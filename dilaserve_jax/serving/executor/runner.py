@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from dilaserve_jax.decoding.buckets import CacheMode
+from dilaserve_jax.core.kinds import CacheMode
 from dilaserve_jax.decoding.compiled import CompiledSteps
 from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
 from dilaserve_jax.models.config import ModelConfig
-from dilaserve_jax.serving.policy.types import SlotOutcome, StepKind
+from dilaserve_jax.serving.policy.types import SlotOutcome
+from dilaserve_jax.core.kinds import StepKind
 
 
 class JaxRunner:

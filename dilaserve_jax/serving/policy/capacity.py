@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from dilaserve_jax.serving.policy.latency import LatencyModel
-from dilaserve_jax.serving.policy.types import StepKind
+from dilaserve_jax.core.kinds import StepKind
 
 RATE_POINTS = 48
 

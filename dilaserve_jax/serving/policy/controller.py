@@ -35,7 +35,7 @@ from dilaserve_jax.serving.policy.capacity import (LayoutPrediction, RequestShap
                                             instance_curves, layout_text, moved_fraction, parse_layout, placements)
 from dilaserve_jax.serving.policy.latency import LatencyModel
 from dilaserve_jax.serving.policy.threshold import DEFAULT_PRIOR
-from dilaserve_jax.serving.policy.types import StepKind
+from dilaserve_jax.core.kinds import StepKind
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from dilaserve_jax.serving.policy.types import StepKind
+from dilaserve_jax.core.kinds import StepKind
 
 _KIND_NAMES = {"refresh": StepKind.REFRESH, "reuse": StepKind.REUSE}
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Sequence
 
-from dilaserve_jax.serving.policy.types import StepKind
+from dilaserve_jax.core.kinds import StepKind
 
 
 class RequestState(IntEnum):

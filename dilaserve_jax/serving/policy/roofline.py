@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from dilaserve_jax.serving.policy.latency import Profile, ProfilePoint
-from dilaserve_jax.serving.policy.types import StepKind
+from dilaserve_jax.core.kinds import StepKind
 
 
 @dataclass(frozen=True, slots=True)

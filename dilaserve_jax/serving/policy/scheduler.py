@@ -26,7 +26,8 @@ from dilaserve_jax.serving.policy.latency import LatencyModel
 from dilaserve_jax.serving.policy.quality import QualitySnapshot
 from dilaserve_jax.serving.policy.request import Request, RequestState, steps_left
 from dilaserve_jax.serving.policy.threshold import Decision, ThresholdConfig, ThresholdController
-from dilaserve_jax.serving.policy.types import Admission, SlotOutcome, StepKind, StepPlan
+from dilaserve_jax.serving.policy.types import Admission, SlotOutcome, StepPlan
+from dilaserve_jax.core.kinds import StepKind
 
 POLICIES = ("fcfs-static", "edf-static", "dilaserve")
 

@@ -31,7 +31,7 @@ from typing import Callable, Mapping, Sequence
 from dilaserve_jax.serving.policy.eval_rows import prior_from_eval_json, read_eval_rows
 from dilaserve_jax.serving.policy.quality import QualityBudget, QualityConfig, QualitySnapshot, interpolate
 from dilaserve_jax.serving.policy.request import Request
-from dilaserve_jax.serving.policy.types import StepKind
+from dilaserve_jax.core.kinds import StepKind
 
 TAU_GRID: tuple[float, ...] = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5, 0.4, 0.3)
 # Tokens committed per step at each τ for a 32-token block (τ = 1.0 commits only the argmax, since

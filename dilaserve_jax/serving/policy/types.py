@@ -6,17 +6,9 @@ scheduler only produces `StepPlan`s, so it never touches a runner (the simulator
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import Protocol, Sequence, runtime_checkable
 
-
-class StepKind(IntEnum):
-    """REFRESH: full-canvas forward that rewrites the KV cache (first step of every block, and the
-    first step after admission or migration). REUSE: only the current block's tokens, against the
-    cached K/V. They have different shapes, so one batch holds one kind."""
-
-    REFRESH = 0
-    REUSE = 1
+from dilaserve_jax.core.kinds import StepKind
 
 
 @dataclass(frozen=True, slots=True)
