@@ -1,9 +1,11 @@
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from dilaserve_jax.serving.policy.latency import LatencyModel, Profile, ProfilePoint, fit
+from dilaserve_jax.serving.policy.latency import (LatencyModel, Profile, ProfilePoint, _nonneg_weighted_lstsq,
+                                                  features, fit)
 from dilaserve_jax.serving.policy.roofline import A100, H100, H200, analytic_profile, step_seconds
 from dilaserve_jax.core.kinds import StepKind
 
@@ -78,3 +80,79 @@ def test_analytic_profile_fit_is_reported():
     model = LatencyModel.from_profile(analytic_profile("a100"))
     assert model.report.mean_rel_error["refresh"] < 0.05
     assert model.report.mean_rel_error["reuse"] < 0.25  # roofline kink; reported, not hidden
+
+
+MEASURED_PROFILE = Path(__file__).parents[2] / "docs" / "policies_profile.json"
+
+
+def _drop_most_negative_lstsq(x, y):
+    """The fit this module used before: weighted least squares that drops the most negative column
+    and refits until all are >= 0, never bringing a dropped column back. Kept as the baseline."""
+    w = 1.0 / y
+    col_max = np.maximum(x.max(axis=0), 1e-30)
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq((x / col_max)[:, active] * w[:, None], y * w, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return coef / col_max
+
+
+def _intercept_only(x, y):
+    """A deliberately poor fit (a constant per kind), to show the held-out measure tells fits apart."""
+    coef = np.zeros(x.shape[1])
+    coef[0] = np.median(y)
+    return coef
+
+
+def _held_out_error(points, fitter, splits=20, holdout=0.25):
+    """Mean |pred - true| / true over the held-out points of `splits` random splits, each fitting
+    every (kind, TP) group on the rest."""
+    groups = {}
+    for p in points:
+        groups.setdefault((p.kind, p.tp), []).append(p)
+    errors = []
+    for seed in range(splits):
+        rng = np.random.default_rng(seed)
+        for (kind, _), pts in groups.items():
+            x = features(kind, [p.batch for p in pts], [p.canvas for p in pts], [p.block for p in pts])
+            y = np.array([p.seconds for p in pts])
+            n_hold = max(1, min(round(holdout * len(pts)), len(pts) - x.shape[1]))  # train keeps one per feature
+            held = np.zeros(len(pts), dtype=bool)
+            held[rng.choice(len(pts), size=n_hold, replace=False)] = True
+            coef = fitter(x[~held], y[~held])
+            errors.extend(np.abs(x[held] @ coef - y[held]) / y[held])
+    return float(np.mean(errors))
+
+
+@pytest.mark.parametrize("profile", ["measured", "analytic"])
+def test_nnls_held_out_error_no_worse_than_dropping_columns(profile):
+    points = (Profile.load(MEASURED_PROFILE) if profile == "measured" else analytic_profile("a100")).points
+    new = _held_out_error(points, _nonneg_weighted_lstsq)
+    old = _held_out_error(points, _drop_most_negative_lstsq)
+    assert new <= old * (1 + 1e-6), f"{profile}: held-out error {new:.2%} with NNLS vs {old:.2%} before"
+    assert _held_out_error(points, _intercept_only) > 1.5 * new  # the measure separates good and poor fits
+
+
+def test_nnls_never_fits_worse_and_sometimes_better_than_dropping_columns():
+    """On its own objective (relative squared error, coefficients >= 0) NNLS is optimal, so it is
+    never worse than the old fit; dropping columns for good can keep the wrong ones."""
+    def objective(x, y, coef):
+        return float(np.sum(((x @ coef - y) / y) ** 2))
+
+    rng = np.random.default_rng(1)
+    for _ in range(500):
+        x = np.abs(rng.standard_normal((6, 3))) + 0.05
+        y = np.abs(rng.standard_normal(6)) + 0.1
+        new, old = _nonneg_weighted_lstsq(x, y), _drop_most_negative_lstsq(x, y)
+        assert (new >= 0).all()
+        assert objective(x, y, new) <= objective(x, y, old) * (1 + 1e-9) + 1e-12
+    # the old fit drops column 1 (the most negative at first), then 0; the best brings column 1 back
+    x = np.array([[3.0, 1, 2], [0, 3, 2], [3, 2, 3], [0, 3, 2]])
+    y = np.array([1.0, 3, 4, 3])
+    old, new = _drop_most_negative_lstsq(x, y), _nonneg_weighted_lstsq(x, y)
+    assert old[1] == 0 and new[1] > 0.5
+    assert objective(x, y, new) < 0.5 * objective(x, y, old)

@@ -1,8 +1,9 @@
 """Step-latency model: predicts one batched step's seconds from (kind, batch, canvas, block, TP).
 
-Fitted per (kind, TP degree) by least squares on physically motivated features, so that a refresh
-step (queries = whole canvas) grows with canvas length (linear layers) and its square (attention),
-while a reuse step (queries = one block) grows mostly with block size and the cached keys it reads:
+Fitted per (kind, TP degree) by non-negative least squares on physically motivated features, so
+that a refresh step (queries = whole canvas) grows with canvas length (linear layers) and its
+square (attention), while a reuse step (queries = one block) grows mostly with block size and the
+cached keys it reads:
 
   refresh: a + b*B*L + c*B*L^2
   reuse:   a + b*B*K + c*B*L + d*B*K*L
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
+from scipy.optimize import nnls
 
 from dilaserve_jax.core.kinds import StepKind
 
@@ -96,18 +98,13 @@ def features(kind: StepKind, batch, canvas, block) -> np.ndarray:
 
 
 def _nonneg_weighted_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Relative-error least squares with coefficients >= 0 (drop negative columns, refit)."""
+    """Relative-error least squares with coefficients >= 0: non-negative least squares on rows
+    scaled by 1/y (the square root of the 1/y^2 weight), so each residual counts relative to its
+    point's seconds."""
+    col_max = np.maximum(x.max(axis=0), 1e-30)  # column scaling keeps the solve well conditioned
     w = 1.0 / y
-    xs = x / np.maximum(x.max(axis=0), 1e-30)  # column scaling keeps the solve well conditioned
-    active = list(range(x.shape[1]))
-    coef = np.zeros(x.shape[1])
-    while active:
-        sol, *_ = np.linalg.lstsq(xs[:, active] * w[:, None], y * w, rcond=None)
-        if (sol >= 0).all():
-            coef[active] = sol
-            break
-        active.pop(int(np.argmin(sol)))
-    return coef / np.maximum(x.max(axis=0), 1e-30)
+    coef, _ = nnls((x / col_max) * w[:, None], y * w)
+    return coef / col_max
 
 
 @dataclass(frozen=True, slots=True)
