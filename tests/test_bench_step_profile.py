@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from dilaserve_jax.core.kinds import StepKind
 from dilaserve_jax.bench.step_profile import (OP_KINDS, OTHER, _exclusive_by_name, _what, hlo_op_names,
                                               hlo_result_shapes, hlo_stages, op_kind, stage_profile, time_step_parts)
 from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
@@ -56,7 +57,7 @@ def decoder_after_refresh():
                       warm_up=False, progress=False)
     for slot in range(2):
         dec.admit(slot, [5, 6, 7, 8], 28, 8)
-    dec.step(True, [0, 1], [1.0, 1.0])
+    dec.step(StepKind.REFRESH, [0, 1], [1.0, 1.0])
     return dec
 
 
@@ -92,7 +93,7 @@ def test_a_slot_sharded_step_is_timed_and_counted_over_both_shards(decoder_after
                       warm_up=False, progress=False)
     for slot in range(2):
         dec.admit(slot, [5, 6, 7, 8], 28, 8)
-    dec.step(True, [0, 1], [1.0, 1.0])
+    dec.step(StepKind.REFRESH, [0, 1], [1.0, 1.0])
     parts = time_step_parts(dec, False, [0, 1], repeats=1)  # arguments land split by shard, as compiled
     assert 0 < parts["outside_ms"] < parts["step_ms"]
     flops = stage_profile(dec, False, [0, 1], repeats=1)["flops"]

@@ -12,6 +12,7 @@ tree with each decoder's slots split over N devices.
 """
 from __future__ import annotations
 
+from dilaserve_jax.core.kinds import StepKind
 import argparse
 import json
 import statistics
@@ -130,7 +131,7 @@ def time_steps(cfg, graphdef, params, *, batch: int, length: int, block: int, pr
         dec.admit(s, prompt, length - len(prompt), block)
     refresh, reuse = [], []
     for _ in range(repeats):  # τ = 1: one commit per step, the block never fills up here
-        for kind, times in ((True, refresh), (False, reuse)):
+        for kind, times in ((StepKind.REFRESH, refresh), (StepKind.REUSE, reuse)):
             t0 = time.perf_counter()
             done = dec.step(kind, slots, [1.0] * batch)
             times.append(time.perf_counter() - t0)

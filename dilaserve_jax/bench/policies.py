@@ -136,9 +136,6 @@ class ProfiledTimeRunner:
         self.clock.advance(seconds)
         return out
 
-    def answer(self, slot):
-        return self.runner.answer(slot)
-
 
 def budget_label(budget: float | None) -> str:
     return "inf" if budget is None else f"{budget:g}"

@@ -100,7 +100,7 @@ def main() -> int:
                 slots = list(range(cmd["batch"]))
                 for slot, req in zip(slots, requests(cmd)):
                     dec.admit(slot, req.prompt, req.answer_length, req.block_length)
-                dec.step(True, slots, [1.0] * len(slots))
+                dec.step(profile.step_kind(dec, True), slots, [1.0] * len(slots))
                 parts = profile.time_step_parts(dec, refresh, slots, cmd["repeats"])
                 parts["shape"] = str(parts["shape"])
                 parts.update(profile.stage_profile(dec, refresh, slots, repeats=3, top_ops=cmd.get("top_ops", 0)))

@@ -23,6 +23,7 @@ import gzip
 import json
 import re
 import statistics
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -47,6 +48,15 @@ _DATA_MOVEMENT = {"gather", "scatter", "wrapped", "copy", "transpose", "concaten
                   "bitcast", "pad", "reverse", "broadcast", "iota"}
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name="([^"]*)"')
 _RESULT_SHAPE = re.compile(r'^\s*(?:ROOT )?%?[\w.\-]+ = (\w+\[[\d,]*\])')
+
+
+def step_kind(decoder: SlotDecoder, refresh: bool):
+    """The decoder's own spelling of a step kind: a StepKind in this tree, a bool in the older trees
+    the scaling benchmark also times (read from the decoder's module, never imported here)."""
+    kinds = getattr(sys.modules[type(decoder).__module__], "StepKind", None)
+    if kinds is None:
+        return refresh
+    return kinds.REFRESH if refresh else kinds.REUSE
 
 
 def _executable(decoder: SlotDecoder, refresh: bool, slots: list[int]):
@@ -77,7 +87,7 @@ def time_step_parts(decoder: SlotDecoder, refresh: bool, slots: list[int], repea
     compiled call alternate, so both see the same machine load.
     """
     taus = [1.0] * len(slots)
-    decoder.step(refresh, slots, taus)  # the first call of a shape may do one-off work
+    decoder.step(step_kind(decoder, refresh), slots, taus)  # the first call of a shape may do one-off work
     shape, exe = _executable(decoder, refresh, slots)
     args = _arguments(decoder, shape, slots, taus, exe)
     jax.block_until_ready(args)
@@ -100,7 +110,7 @@ def time_step_parts(decoder: SlotDecoder, refresh: bool, slots: list[int], repea
         decoder.compiled.get = timed_get
         try:
             t0 = time.perf_counter()
-            decoder.step(refresh, slots, taus)
+            decoder.step(step_kind(decoder, refresh), slots, taus)
             step.append(time.perf_counter() - t0)
         finally:
             del decoder.compiled.get  # back to the class's method

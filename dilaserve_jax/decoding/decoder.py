@@ -15,7 +15,8 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from dilaserve_jax.core.kinds import CacheMode
+from dilaserve_jax.core.kinds import CacheMode, StepKind
+from dilaserve_jax.core.outcome import SlotOutcome
 from dilaserve_jax.decoding.buckets import (StepShape, StepType, bucket_for, powers_of_two_up_to,
                                             prefix_query_buckets, shapes_for)
 from dilaserve_jax.decoding.compiled import ADMIT, CompiledSteps, leaf_placement, put_small, replicated_on
@@ -82,20 +83,6 @@ class DecoderConfig:
     def step_shapes(self, shift: int = 0) -> list[StepShape]:
         """shift: the model's logits shift (decoding/shift.py), which sets dual reuse steps' query rows."""
         return shapes_for(self.cache_mode, self.batch_buckets, self.length_buckets, self.block_buckets, shift)
-
-
-@dataclass(frozen=True, slots=True)
-class SlotStep:
-    """What one step did to one slot. Positions are answer-relative (0 = first answer token)."""
-
-    slot: int
-    positions: tuple[int, ...]
-    tokens: tuple[int, ...]
-    n_committed: int
-    max_confidence: float
-    block_finished: bool
-    request_finished: bool
-    confidence_counts: tuple[int, ...] = ()  # the block's masked positions per confidence bin, before commit
 
 
 @dataclass
@@ -259,18 +246,24 @@ class SlotDecoder:
 
     def answer(self, slot: int) -> list[int]:
         """Committed answer tokens up to (excluding) the first EOS."""
-        info = self._info(slot)
+        return list(self._answer(self._info(slot)))
+
+    def _answer(self, info: _Slot) -> tuple[int, ...]:
         ans = info.canvas[info.prompt_len:]
         eos = np.flatnonzero(ans == self.cfg.eos_id)
-        return [int(t) for t in ans[:int(eos[0]) if eos.size else ans.size]]
+        return tuple(int(t) for t in ans[:int(eos[0]) if eos.size else ans.size])
 
-    def step(self, refresh: bool, slots: Sequence[int], taus: Sequence[float]) -> list[SlotStep]:
-        """One batched step (refresh or reuse) over `slots` with thresholds `taus`; results in slot order.
+    def step(self, kind: StepKind, slots: Sequence[int], taus: Sequence[float]) -> list[SlotOutcome]:
+        """One batched step of `kind` over `slots` with thresholds `taus`; outcomes in slot order
+        (a finishing slot's carries its answer).
 
         In cache mode none both kinds are a full forward. A reuse step of a slot that needs a
         refresh (just admitted, or its previous block just finished) is an error; a refresh is
         allowed at any step (it only makes the cache exact again).
         """
+        if not isinstance(kind, StepKind):  # a bool would read as an IntEnum value: REUSE for True
+            raise TypeError(f"step kind must be a StepKind, got {kind!r}")
+        refresh = kind is StepKind.REFRESH
         slots, taus = [int(s) for s in slots], [float(t) for t in taus]
         if len(slots) != len(taus) or not slots:
             raise ValueError("need one τ per slot and at least one slot")
@@ -287,7 +280,7 @@ class SlotDecoder:
         groups: dict[tuple[int, int], list[int]] = defaultdict(list)
         for i, slot in enumerate(slots):
             groups[(self._slots[slot].length, self._slots[slot].block)].append(i)
-        results: list[SlotStep | None] = [None] * len(slots)
+        results: list[SlotOutcome | None] = [None] * len(slots)
         for (length, block), idx in groups.items():
             shape = self._shape(refresh, [slots[i] for i in idx], length, block)
             for i, res in zip(idx, self._run(shape, [slots[i] for i in idx], [taus[i] for i in idx])):
@@ -320,7 +313,7 @@ class SlotDecoder:
         shards = self.config.slot_shards
         return shard_rows(slots, taus, self.num_slots, shards, shape.batch // shards, in_place)
 
-    def _run(self, shape: StepShape, slots: list[int], taus: list[float]) -> list[SlotStep]:
+    def _run(self, shape: StepShape, slots: list[int], taus: list[float]) -> list[SlotOutcome]:
         exe = self.compiled.get(shape, self.params, self.state, self._placement)
         index, tau, rows = self.step_arguments(shape, slots, taus)
         # Host arrays go to the executable as they are: its own argument transfer (to the input
@@ -339,9 +332,10 @@ class SlotDecoder:
                 info.block_start += info.block_len
             info.needs_refresh = block_done
             info.finished = finished
-            results.append(SlotStep(slot, tuple(int(p) - info.prompt_len for p in pos), tuple(int(t) for t in tok),
-                                    n, float(out.max_confidence[row]), block_done, finished,
-                                    tuple(int(c) for c in out.confidence_counts[row])))
+            results.append(SlotOutcome(slot, tuple(int(p) - info.prompt_len for p in pos), tuple(int(t) for t in tok),
+                                       n, float(out.max_confidence[row]), block_done, finished,
+                                       tuple(int(c) for c in out.confidence_counts[row]),
+                                       self._answer(info) if finished else None))
         return results
 
     def _check_slot(self, slot: int) -> None:

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from dilaserve_jax.core.kinds import CacheMode
+from dilaserve_jax.core.kinds import StepKind, CacheMode
 from dilaserve_jax.decoding.decoder import SlotDecoder
 
 
@@ -76,7 +76,7 @@ def generate_many(decoder: SlotDecoder, requests: Sequence[DecodeRequest], *, ma
 
     def run(refresh: bool, slots: list[int]) -> None:
         t0 = time.perf_counter()
-        outs = decoder.step(refresh, slots, [requests[active[s]].tau for s in slots])
+        outs = decoder.step(StepKind.REFRESH if refresh else StepKind.REUSE, slots, [requests[active[s]].tau for s in slots])
         (stats.refresh_seconds if refresh else stats.reuse_seconds).append(time.perf_counter() - t0)
         for out in outs:
             c = counts[out.slot]

@@ -18,7 +18,7 @@ import numpy as np
 
 from dilaserve_jax.serving.cluster.fake_runner import FakeClock
 from dilaserve_jax.serving.policy.latency import LatencyModel, Profile
-from dilaserve_jax.serving.policy.types import SlotOutcome
+from dilaserve_jax.core.outcome import SlotOutcome
 from dilaserve_jax.core.kinds import StepKind
 from dilaserve_jax.sim.quality import Progress, QualityModel, RequestPlan
 
@@ -184,11 +184,9 @@ class ModelledRunner:
         opening = st.progress.committed == 0  # its first step: the histogram the budget's evidence comes from
         first, n, block_done, finished = advance(self.quality, st.plan, st.progress, tau)
         st.needs_refresh = block_done
+        answer = (TOKEN,) * st.progress.committed if finished else None
         return SlotOutcome(slot, tuple(range(first, first + n)), (TOKEN,) * n, n, min(1.0, tau + 0.05), block_done,
-                           finished, st.plan.first_counts if opening else ())
-
-    def answer(self, slot: int) -> list[int]:
-        return [TOKEN] * self.slots[slot].progress.committed
+                           finished, st.plan.first_counts if opening else (), answer)
 
 
 def advance(quality: QualityModel, plan: RequestPlan, prog: Progress, tau: float) -> tuple[int, int, bool, bool]:

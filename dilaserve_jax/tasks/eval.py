@@ -83,7 +83,7 @@ def _reference_decoder(model, block_length: int, cache_mode: str):
 def _slot_decoder(model, block_length: int, cache_mode: str, num_slots: int = 16):
     """A SlotDecoder for the suite's prompts that compiles only the shapes a run uses."""
     try:
-        from dilaserve_jax.core.kinds import CacheMode
+        from dilaserve_jax.core.kinds import StepKind, CacheMode
         from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
     except ImportError as err:
         raise ValueError(f"the fast decoding path is not available ({err}); use --decoder reference") from None
@@ -105,7 +105,7 @@ def first_step_confidence(decoder, prompts, gen_length: int, block_length: int) 
         slots = list(range(len(batch)))
         for slot, p in zip(slots, batch):
             decoder.admit(slot, p, gen_length, block_length)
-        for out in decoder.step(True, slots, [1.0] * len(slots)):
+        for out in decoder.step(StepKind.REFRESH, slots, [1.0] * len(slots)):
             totals = [a + b for a, b in zip(totals, out.confidence_counts)] if totals else list(out.confidence_counts)
         for slot in slots:
             decoder.release(slot)

@@ -2,6 +2,7 @@
 import jax.numpy as jnp
 import numpy as np
 
+from dilaserve_jax.core.kinds import StepKind
 from dilaserve_jax.decoding.decoder import SlotDecoder
 from dilaserve_jax.decoding.reference import commit_mask, is_finished, propose
 from dilaserve_jax.models.llada import forward, shift_logits
@@ -26,7 +27,7 @@ def run_to_end(decoder: SlotDecoder, slot_taus: dict[int, float], force_refresh:
             for refresh, group in ((True, need), (False, rest)):
                 if not group:
                     continue
-                for out in decoder.step(refresh, group, [slot_taus[s] for s in group]):
+                for out in decoder.step(StepKind.REFRESH if refresh else StepKind.REUSE, group, [slot_taus[s] for s in group]):
                     per_step[out.slot].append(out.n_committed)
                     if out.request_finished:
                         live.discard(out.slot)

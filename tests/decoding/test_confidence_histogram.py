@@ -2,6 +2,7 @@
 import jax.numpy as jnp
 import numpy as np
 
+from dilaserve_jax.core.kinds import StepKind
 from dilaserve_jax.decoding.commit import CONFIDENCE_BINS, confidence_histogram
 from fastdecode_support import prompts
 
@@ -24,7 +25,7 @@ def test_step_reports_the_block_masked_positions_before_commit(make_decoder):
     dec.admit(0, prompts(1, seed=3)[0], GEN, BLOCK)
     start, masked = 0, BLOCK
     for _ in range(GEN):
-        out = dec.step(dec.needs_refresh(0), [0], [0.9])[0]
+        out = dec.step(StepKind.REFRESH if dec.needs_refresh(0) else StepKind.REUSE, [0], [0.9])[0]
         assert len(out.confidence_counts) == CONFIDENCE_BINS
         assert sum(out.confidence_counts) == masked  # every masked position of the block, counted once
         masked -= out.n_committed

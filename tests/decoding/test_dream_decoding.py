@@ -3,7 +3,7 @@ Dream's own), refresh-every-step caches are cache none, and reuse steps score a 
 position with the row before the block."""
 import pytest
 
-from dilaserve_jax.core.kinds import CacheMode
+from dilaserve_jax.core.kinds import StepKind, CacheMode
 from dilaserve_jax.decoding.compiled import CompiledSteps
 from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
 from dilaserve_jax.decoding.reference import generate
@@ -89,7 +89,7 @@ def _steps(dec: SlotDecoder, slot: int, tau: float) -> list[tuple[bool, tuple[in
     out, steps = None, []
     while out is None or not out.request_finished:
         refresh = dec.needs_refresh(slot)
-        out = dec.step(refresh, [slot], [tau])[0]
+        out = dec.step(StepKind.REFRESH if refresh else StepKind.REUSE, [slot], [tau])[0]
         steps.append((refresh, out.positions))
     return steps
 

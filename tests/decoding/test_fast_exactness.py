@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from dilaserve_jax.core.kinds import StepKind
 from dilaserve_jax.decoding.reference import generate
 from fastdecode_support import prompts, run_to_end
 
@@ -60,7 +61,7 @@ def test_cached_decoding_fills_blocks_in_order_and_never_commits_the_mask(make_d
     while True:
         refresh = dec.needs_refresh(0)
         refreshes += refresh
-        out = dec.step(refresh, [0], [0.7])[0]
+        out = dec.step(StepKind.REFRESH if refresh else StepKind.REUSE, [0], [0.7])[0]
         assert out.n_committed >= 1 and len(out.positions) == out.n_committed
         assert all(t != cfg.mask_id for t in out.tokens)
         blocks = {pos // 16 for pos in out.positions}

@@ -2,6 +2,7 @@
 
 Cache none: the tokens are those of an uninterrupted run. Dual/prefix: those of a run with a
 refresh forced at the step where it moved (its cache is rebuilt there)."""
+from dilaserve_jax.core.kinds import StepKind
 import pytest
 
 from fastdecode_support import prompts
@@ -14,7 +15,7 @@ def _step_until(dec, slot, tau, stop_after=None, force_refresh_at=None):
     commits, n = [], 0
     while stop_after is None or n < stop_after:
         refresh = dec.needs_refresh(slot) or n == force_refresh_at
-        out = dec.step(refresh, [slot], [tau])[0]
+        out = dec.step(StepKind.REFRESH if refresh else StepKind.REUSE, [slot], [tau])[0]
         commits.append(out.n_committed)
         n += 1
         if out.request_finished:

@@ -40,7 +40,7 @@ def serve(runner, requests, rng):
                 i, (prompt, gen, block, temp) = queue.pop()
                 runner.admit(slot, prompt, gen, block, temperature=temp, seed=i)
                 live[slot] = i
-        need = [s for s in sorted(live) if runner.needs_refresh(s)]
+        need = [s for s in sorted(live) if runner.decoder.needs_refresh(s)]
         rest = [s for s in sorted(live) if s not in need]
         for kind, group in ((StepKind.REFRESH, need), (StepKind.REUSE, rest)):
             if not group:
@@ -49,8 +49,9 @@ def serve(runner, requests, rng):
             for out in runner.step(kind, group, taus):
                 assert out.n_committed == len(out.positions) >= 1
                 if out.request_finished:
-                    answers[live.pop(out.slot)] = runner.answer(out.slot)
-                    assert len(runner.canvas(out.slot)) > 0
+                    assert list(out.answer) == runner.decoder.answer(out.slot)
+                    answers[live.pop(out.slot)] = list(out.answer)
+                    assert len(runner.decoder.canvas(out.slot)) > 0
                     runner.release(out.slot)
     return answers
 
@@ -98,7 +99,7 @@ def test_kv_cache_sharded_over_kv_heads_gives_the_same_tokens(sharp_model):
     for runner in (plain, sharded):
         runner.admit(0, prompt, 16, 8)
         while True:
-            kind = StepKind.REFRESH if runner.needs_refresh(0) else StepKind.REUSE
+            kind = StepKind.REFRESH if runner.decoder.needs_refresh(0) else StepKind.REUSE
             if runner.step(kind, [0], [0.7])[0].request_finished:
                 break
         results.append(runner.canvas(0))

@@ -1,5 +1,6 @@
 """Batch invariance, per-slot thresholds and padding safety of the slot-batched steps (dual cache)."""
 import numpy as np
+from dilaserve_jax.core.kinds import StepKind
 import pytest
 
 from fastdecode_support import prompts, run_to_end
@@ -64,8 +65,8 @@ def test_rows_outside_the_step_keep_their_state(make_decoder, slots):
         dec.admit(s, p, GEN, BLOCK)
     before = {f: np.asarray(getattr(dec.state, f))[3].copy() for f in ("canvas", "block_start", "steps")}
     kv_before = [np.asarray(layer.k)[3].copy() for layer in dec.state.kv]
-    dec.step(True, [0, 1, 2], [1.0] * 3)
-    dec.step(False, [0, 1, 2], [1.0] * 3)
+    dec.step(StepKind.REFRESH, [0, 1, 2], [1.0] * 3)
+    dec.step(StepKind.REUSE, [0, 1, 2], [1.0] * 3)
     for field, value in before.items():
         np.testing.assert_array_equal(np.asarray(getattr(dec.state, field))[3], value)
     start = len(ps[3])
@@ -81,13 +82,13 @@ def test_step_rejects_protocol_violations(make_decoder):
     dec = make_decoder("dual")
     dec.admit(0, [5, 6, 7], 16, BLOCK)
     with pytest.raises(ValueError, match="refresh"):
-        dec.step(False, [0], [0.9])
+        dec.step(StepKind.REUSE, [0], [0.9])
     with pytest.raises(ValueError, match="holds no request"):
-        dec.step(True, [1], [0.9])
+        dec.step(StepKind.REFRESH, [1], [0.9])
     with pytest.raises(ValueError, match="duplicate"):
-        dec.step(True, [0, 0], [0.9, 0.9])
+        dec.step(StepKind.REFRESH, [0, 0], [0.9, 0.9])
     with pytest.raises(ValueError, match="τ"):
-        dec.step(True, [0], [0.0])
+        dec.step(StepKind.REFRESH, [0], [0.0])
     with pytest.raises(ValueError, match="occupied"):
         dec.admit(0, [5], 8, BLOCK)
     with pytest.raises(ValueError, match="bucket"):

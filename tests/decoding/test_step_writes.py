@@ -2,6 +2,7 @@
 on the whole state writes only positions that every reuse recomputes, a refresh writes only its own
 slots' rows, and sampling rows and greedy rows never change each other's tokens."""
 import numpy as np
+from dilaserve_jax.core.kinds import StepKind
 import pytest
 
 from fastdecode_support import prompts, run_to_end
@@ -18,10 +19,10 @@ def test_reuse_steps_keep_the_refreshed_cache_and_refresh_writes_only_its_slots(
     dec = make_decoder(mode)
     for slot, prompt in enumerate(prompts(3, seed=8)):
         dec.admit(slot, prompt, GEN, BLOCK)
-    dec.step(True, [0, 1, 2], [1.0] * 3)
+    dec.step(StepKind.REFRESH, [0, 1, 2], [1.0] * 3)
     refreshed, canvas = _kv(dec), np.asarray(dec.state.canvas).copy()
     for _ in range(3):
-        dec.step(False, [0, 2], [1.0, 1.0])
+        dec.step(StepKind.REUSE, [0, 2], [1.0, 1.0])
     for (k, v), layer in zip(refreshed, dec.state.kv):  # the cache is exactly the refresh's
         np.testing.assert_array_equal(np.asarray(layer.k), k)
         np.testing.assert_array_equal(np.asarray(layer.v), v)
@@ -31,7 +32,7 @@ def test_reuse_steps_keep_the_refreshed_cache_and_refresh_writes_only_its_slots(
         changed = np.flatnonzero(after[slot] != canvas[slot])
         start = len(prompts(3, seed=8)[slot])
         assert len(changed) == 3 and changed.min() >= start and changed.max() < start + BLOCK
-    dec.step(True, [1], [1.0])
+    dec.step(StepKind.REFRESH, [1], [1.0])
     for (k, v), layer in zip(refreshed, dec.state.kv):
         for slot in (0, 2, 3):
             np.testing.assert_array_equal(np.asarray(layer.k)[slot], k[slot])
@@ -50,10 +51,10 @@ def test_whole_state_reuse_writes_only_positions_every_reuse_recomputes(make_dec
     for dec in (whole, gathered):
         for slot, prompt in enumerate(ps):
             dec.admit(slot, prompt, GEN, BLOCK)
-        dec.step(True, [0, 1, 2, 3], [1.0] * 4)
+        dec.step(StepKind.REFRESH, [0, 1, 2, 3], [1.0] * 4)
     refreshed = _kv(whole)
     for _ in range(3):
-        assert whole.step(False, [0, 1, 2], [1.0] * 3) == gathered.step(False, [0, 1, 2], [1.0] * 3)
+        assert whole.step(StepKind.REUSE, [0, 1, 2], [1.0] * 3) == gathered.step(StepKind.REUSE, [0, 1, 2], [1.0] * 3)
     shift = whole.cfg.logits_shift
     for (k, v), layer in zip(refreshed, whole.state.kv):
         written = False

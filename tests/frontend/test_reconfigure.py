@@ -5,6 +5,7 @@ import time
 import grpc
 import pytest
 
+from dilaserve_jax.core.kinds import StepKind
 from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
 from dilaserve_jax.models import load_model
 from dilaserve_jax.serving.executor.build import ServeConfig, build_cluster
@@ -21,7 +22,7 @@ def _replay(decoder, prompt, gen, taus):
     decoder.admit(0, prompt, gen, 16)
     try:
         for k, tau in enumerate(taus):
-            out = decoder.step(True, [0], [tau])[0]
+            out = decoder.step(StepKind.REFRESH, [0], [tau])[0]
             if out.request_finished:
                 assert k == len(taus) - 1, "finished before its recorded steps ran out"
                 return decoder.answer(0)

@@ -220,13 +220,10 @@ class Engine:
         with self._owner:
             if self._state == EngineState.FAILED:  # taken over while the step ran: not ours any more
                 return False
-            answers = {o.slot: runner.answer(o.slot) for o in outcomes if o.request_finished}
             reqs = [sch.running[s] for s in plan.slots]
             sch.update(plan, outcomes, t1)
             self.steps += 1
             for req, o, tau in zip(reqs, outcomes, plan.taus):
-                if o.slot in answers:
-                    req.output_tokens = answers[o.slot]
                 self._progress(req, StepProgress(req.id, plan.kind, tau, o.positions, o.tokens, req.committed,
                                                  req.answer_length, t1, self.name))
             for hook in self._hooks:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from dilaserve_jax.serving.policy.request import Request, RequestState
-from dilaserve_jax.serving.policy.types import SlotOutcome, StepPlan
+from dilaserve_jax.serving.policy.types import StepPlan
+from dilaserve_jax.core.outcome import SlotOutcome
 from dilaserve_jax.core.kinds import StepKind
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from dilaserve_jax.serving.policy.latency import Profile, ProfilePoint
-from dilaserve_jax.serving.policy.types import SlotOutcome
+from dilaserve_jax.core.outcome import SlotOutcome
 from dilaserve_jax.core.kinds import StepKind
 
 StepTimeFn = Callable[[StepKind, int, int, int], float]  # (kind, batch, canvas, block) -> seconds
@@ -172,9 +172,7 @@ class FakeRunner:
         block_finished = st.committed == block_end
         st.needs_refresh = block_finished
         counts = tuple(self.confidence(st.prompt)) if self.confidence is not None else ()
-        return SlotOutcome(slot, positions, tokens, n, min(1.0, tau + 0.05), block_finished,
-                           st.committed >= st.answer_length, counts)
+        finished = st.committed >= st.answer_length
+        return SlotOutcome(slot, positions, tokens, n, min(1.0, tau + 0.05), block_finished, finished, counts,
+                           tuple(t for t in st.tokens if t is not None) if finished else None)
 
-    def answer(self, slot: int) -> list[int]:
-        st = self.slots[slot]
-        return [t for t in st.tokens[: st.committed] if t is not None]

@@ -4,7 +4,8 @@ from __future__ import annotations
 import threading
 from typing import Sequence
 
-from dilaserve_jax.serving.policy.types import SlotOutcome, StepPlan
+from dilaserve_jax.serving.policy.types import StepPlan
+from dilaserve_jax.core.outcome import SlotOutcome
 
 
 class StepTimeline:

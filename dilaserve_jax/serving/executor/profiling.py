@@ -70,11 +70,11 @@ class _Dummies:
             self.dec.admit(s, prompt, self.answer, self.block)
         self.alive, self.reuse_ready = True, False
 
-    def step(self, refresh: bool) -> float:
+    def step(self, kind: StepKind) -> float:
         """One timed step over all slots; tracks whether a reuse step may follow."""
         taus = [1.0] * len(self.slots)
         t0 = time.perf_counter()
-        out = self.dec.step(refresh, self.slots, taus)
+        out = self.dec.step(kind, self.slots, taus)
         jax.block_until_ready(self.dec.state)
         dt = time.perf_counter() - t0
         self.alive = not any(r.request_finished for r in out)
@@ -90,7 +90,7 @@ class _Dummies:
             if self.reuse_ready:
                 return
             self.admit()
-            self.step(refresh=True)
+            self.step(StepKind.REFRESH)
         raise RuntimeError(f"could not set up a reuse step for block {self.block}: every dummy request finished "
                            "its block at the refresh step (a block of 1 token cannot take reuse steps)")
 
@@ -140,13 +140,13 @@ def measure_profile(runner_or_decoder, *, batches: Sequence[int], lengths: Seque
             refresh = []
             for r in range(repeats + 1):  # the first run warms (or compiles) the shape
                 d.prepare_refresh()
-                t = d.step(refresh=True)
+                t = d.step(StepKind.REFRESH)
                 if r:
                     refresh.append(t)
             reuse = []
             for r in range(repeats + 1):
                 d.prepare_reuse()
-                t = d.step(refresh=False)
+                t = d.step(StepKind.REUSE)
                 if r:
                     reuse.append(t)
         finally:

@@ -1,22 +1,21 @@
-"""JaxRunner: the real `types.Runner` — jitted, slot-batched diffusion steps on one instance.
+"""JaxRunner: the real `Runner` — jitted, slot-batched diffusion steps on one instance.
 
-A thin adapter over `decoding.SlotDecoder`: it translates StepKind and SlotOutcome, and exposes
-placement (params and state sharding), weight reload and the canvas for streaming.
+A thin adapter over `decoding.SlotDecoder` (which already speaks StepKind and returns
+SlotOutcome): it adds the TP degree, placement (params and state sharding) and weight reload.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from dilaserve_jax.core.kinds import CacheMode
+from dilaserve_jax.core.kinds import CacheMode, StepKind
+from dilaserve_jax.core.outcome import SlotOutcome
 from dilaserve_jax.decoding.compiled import CompiledSteps
 from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
 from dilaserve_jax.models.config import ModelConfig
-from dilaserve_jax.serving.policy.types import SlotOutcome
-from dilaserve_jax.core.kinds import StepKind
 
 
 class JaxRunner:
-    """Implements `serving.types.Runner` on real devices.
+    """Implements `serving.policy.types.Runner` on real devices.
 
     params: placed by the caller (one device, or sharded over an instance's mesh); state_sharding:
     a DecodeState-shaped tree of shardings (or one sharding) for the slots' canvas and K/V cache,
@@ -58,19 +57,7 @@ class JaxRunner:
         self.decoder.release(slot)
 
     def step(self, kind: StepKind, slots: Sequence[int], taus: Sequence[float]) -> list[SlotOutcome]:
-        results = self.decoder.step(StepKind(kind) == StepKind.REFRESH, slots, taus)
-        return [SlotOutcome(r.slot, r.positions, r.tokens, r.n_committed, r.max_confidence, r.block_finished,
-                            r.request_finished, r.confidence_counts) for r in results]
-
-    def answer(self, slot: int) -> list[int]:
-        return self.decoder.answer(slot)
-
-    def canvas(self, slot: int) -> list[int]:
-        """Prompt + answer area as it stands (mask id where undecided): for streaming."""
-        return self.decoder.canvas(slot)
-
-    def needs_refresh(self, slot: int) -> bool:
-        return self.decoder.needs_refresh(slot)
+        return self.decoder.step(StepKind(kind), slots, taus)
 
     def reload(self, params) -> None:
         """Swap weights between steps (e.g. after resharding); same tree structure."""

@@ -26,7 +26,8 @@ from dilaserve_jax.serving.policy.latency import LatencyModel
 from dilaserve_jax.serving.policy.quality import QualitySnapshot
 from dilaserve_jax.serving.policy.request import Request, RequestState, steps_left
 from dilaserve_jax.serving.policy.threshold import Decision, ThresholdConfig, ThresholdController
-from dilaserve_jax.serving.policy.types import Admission, SlotOutcome, StepPlan
+from dilaserve_jax.serving.policy.types import Admission, StepPlan
+from dilaserve_jax.core.outcome import SlotOutcome
 from dilaserve_jax.core.kinds import StepKind
 
 POLICIES = ("fcfs-static", "edf-static", "dilaserve")
@@ -347,6 +348,7 @@ class Scheduler:
             self.controller.observe(req, tau, o.n_committed, o.block_finished or o.request_finished,
                                     confidence_counts=o.confidence_counts, max_confidence=o.max_confidence)
             if o.request_finished:
+                req.output_tokens = list(o.answer)
                 self._finish(req, RequestState.FINISHED_OK, now)
                 done.append(req)
         return done

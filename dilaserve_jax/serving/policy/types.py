@@ -9,23 +9,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
 from dilaserve_jax.core.kinds import StepKind
-
-
-@dataclass(frozen=True, slots=True)
-class SlotOutcome:
-    """What one step did to one slot: the positions (answer-relative) committed, their tokens.
-
-    confidence_counts: the block's masked positions (before this step's commits) per confidence bin,
-    bins uniform over [0, 1]; empty when the runner does not report it."""
-
-    slot: int
-    positions: tuple[int, ...]
-    tokens: tuple[int, ...]
-    n_committed: int
-    max_confidence: float
-    block_finished: bool
-    request_finished: bool
-    confidence_counts: tuple[int, ...] = ()
+from dilaserve_jax.core.outcome import SlotOutcome
 
 
 @runtime_checkable
@@ -46,10 +30,8 @@ class Runner(Protocol):
         """Forget the slot's request; the slot may be admitted into again."""
 
     def step(self, kind: StepKind, slots: Sequence[int], taus: Sequence[float]) -> list[SlotOutcome]:
-        """One batched step of `kind` over `slots` (τ per slot); one outcome per slot, same order."""
-
-    def answer(self, slot: int) -> list[int]:
-        """Committed answer tokens of the slot, up to (excluding) the first EOS."""
+        """One batched step of `kind` over `slots` (τ per slot); one outcome per slot, same order.
+        A finishing slot's outcome carries its answer."""
 
 
 @dataclass(frozen=True, slots=True)
