@@ -2,7 +2,7 @@
 policies on one real instance (Engine + JaxRunner, real clock, in-process, no network).
 
 1. Compiles the steps the workload needs and measures the step-latency profile on them
-   (`serving.profiling.measure_profile`); the schedulers use the latency model fitted to it.
+   (`serving.executor.profiling.measure_profile`); the schedulers use the latency model fitted to it.
 2. Capacity: every prompt of the held-out pool alone on the idle instance at the static τ (its idle
    latency, and whether its answer is valid there: the per-prompt reference the accuracy drop is
    paired against), then the whole pool at once (throughput, requests/s, with all slots).
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dilaserve_jax.core.buckets import bucket_for, slot_buckets
 from dilaserve_jax.bench.policies_report import format_table, headline, plot_pareto, plot_rates, summarise
 
 DEFAULT_BUDGETS = (0.0, 0.5, 1.0, 2.0, 5.0, None)  # points; None: unbounded
@@ -107,19 +108,15 @@ class ProfiledTimeRunner:
     prediction. Tokens and answers are the real runner's."""
 
     def __init__(self, runner, clock, step_seconds: dict, latency) -> None:
-        from dilaserve_jax.decoding.buckets import bucket_for
-
         self.runner, self.clock, self.step_seconds, self.latency = runner, clock, step_seconds, latency
         self.num_slots, self.tp_degree = runner.num_slots, runner.tp_degree
         cfg = runner.decoder.config
-        self._bucket = lambda n, buckets: bucket_for(n, buckets)
         self._lengths, self._blocks, self._batches = cfg.length_buckets, cfg.block_buckets, cfg.batch_buckets
         self._shape: dict[int, tuple[int, int]] = {}  # slot -> (canvas bucket, block bucket)
 
     def admit(self, slot, prompt_tokens, answer_length, block_length, **kw) -> None:
         self.runner.admit(slot, prompt_tokens, answer_length, block_length, **kw)
-        self._shape[slot] = (self._bucket(len(prompt_tokens) + answer_length, self._lengths),
-                             self._bucket(block_length, self._blocks))
+        self._shape[slot] = slot_buckets(len(prompt_tokens), answer_length, block_length, self._lengths, self._blocks)
 
     def release(self, slot) -> None:
         self.runner.release(slot)
@@ -127,7 +124,7 @@ class ProfiledTimeRunner:
 
     def step(self, kind, slots, taus):
         out = self.runner.step(kind, slots, taus)
-        batch = self._bucket(len(slots), self._batches)
+        batch = bucket_for(len(slots), self._batches)
         canvas = max(self._shape[s][0] for s in slots)
         block = max(self._shape[s][1] for s in slots)
         seconds = self.step_seconds.get((kind, batch, canvas, block))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from dilaserve_jax.core.buckets import bucket_for, powers_of_two_up_to  # noqa: F401  (the rule lives in core)
 from dilaserve_jax.core.kinds import CacheMode
 from dilaserve_jax.decoding.shift import dual_queries
 
@@ -20,26 +21,6 @@ class StepType(str, Enum):
     REFRESH = "refresh"  # whole canvas, writes K/V of every position into the cache
     DUAL = "dual"  # current block only, attends to the cache
     PREFIX = "prefix"  # current block + suffix, attends to the cache
-
-
-def powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
-    """start, 2*start, 4*start, ... and finally `limit` itself (so the largest bucket fits exactly)."""
-    if limit < 1 or start < 1:
-        raise ValueError(f"limit and start must be positive, got {limit}, {start}")
-    out, b = [], start
-    while b < limit:
-        out.append(b)
-        b *= 2
-    out.append(limit)
-    return tuple(out)
-
-
-def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
-    """Smallest bucket >= n."""
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
 def prefix_query_buckets(length: int, block: int) -> tuple[int, ...]:

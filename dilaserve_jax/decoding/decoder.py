@@ -15,10 +15,10 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from dilaserve_jax.core.buckets import bucket_for, powers_of_two_up_to, slot_buckets
 from dilaserve_jax.core.kinds import CacheMode, StepKind
 from dilaserve_jax.core.outcome import SlotOutcome
-from dilaserve_jax.decoding.buckets import (StepShape, StepType, bucket_for, powers_of_two_up_to,
-                                            prefix_query_buckets, shapes_for)
+from dilaserve_jax.decoding.buckets import StepShape, StepType, prefix_query_buckets, shapes_for
 from dilaserve_jax.decoding.compiled import ADMIT, CompiledSteps, leaf_placement, put_small, replicated_on
 from dilaserve_jax.decoding.shift import dual_queries
 from dilaserve_jax.decoding.slot_shards import (default_slot_devices, per_shard_counts, replicated, shard_rows,
@@ -188,9 +188,8 @@ class SlotDecoder:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         total = len(prompt) + answer_length
-        length = bucket_for(total, self.config.length_buckets)
-        # A block never extends past the answer: a short answer takes a smaller block bucket if one exists.
-        block = bucket_for(min(block_length, answer_length), self.config.block_buckets)
+        length, block = slot_buckets(len(prompt), answer_length, block_length, self.config.length_buckets,
+                                     self.config.block_buckets)
         if block > length:
             raise ValueError(f"block bucket {block} is longer than the canvas bucket {length}")
         row = np.full((self.config.max_length,), self.cfg.pad_id, np.int32)

@@ -1,6 +1,6 @@
 """The simulated cluster: instances on virtual clocks, placement, and a non-blocking actuator.
 
-It offers what `serving.autoscale.Autoscaler.round` uses of a real `Cluster` (engines with
+It offers what `serving.cluster.autoscale.Autoscaler.round` uses of a real `Cluster` (engines with
 `snapshot()`, infos, `engine(name)`, a builder's compiled placements, `reconfigure`, `migrate`,
 arrival observers), so the control round runs unchanged on virtual time. Differences from the
 threaded cluster, all forced by having no threads:
@@ -10,7 +10,7 @@ threaded cluster, all forced by having no threads:
   cluster sees what a real engine would publish meanwhile: its snapshot from before the step, plus
   the work submitted since (`SimInstance.snapshot`).
 - `reconfigure` returns at once: the switch completes after its modelled cost (weights that must
-  arrive on devices, `capacity.moved_fraction`, at the interconnect bandwidth, plus compile time
+  arrive on devices, `core.layouts.moved_fraction`, at the interconnect bandwidth, plus compile time
   for placements never seen), while the old instances keep serving (the real actuator's overlap
   mode). Then the new instances start, new requests go to them, each removed instance hands over
   its requests at its next step boundary and they are re-admitted where the router places them
@@ -26,7 +26,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from dilaserve_jax.serving.policy.capacity import layout_text, moved_fraction, parse_layout, placements
+from dilaserve_jax.core.layouts import (instance_name, layout_text, moved_fraction, parse_layout, placements,
+                                        received_per_device)
 from dilaserve_jax.serving.cluster.cluster import InstanceInfo
 from dilaserve_jax.serving.cluster.engine import Engine
 from dilaserve_jax.serving.cluster.engine_types import Handoff
@@ -48,8 +49,7 @@ def instance_infos(spec: str | Sequence[int], num_devices: int) -> list[Instance
     out = []
     for tp, first in placements(layout):
         ids = tuple(range(first, first + tp))
-        name = f"tp{tp}@{ids[0]}" if tp == 1 else f"tp{tp}@{ids[0]}-{ids[-1]}"
-        out.append(InstanceInfo(name, tp, ids))
+        out.append(InstanceInfo(instance_name(ids), tp, ids))
     return out
 
 
@@ -118,22 +118,6 @@ class SwitchCost:
         per_device = max(received_per_device(old, new), default=0.0) * self.param_bytes
         unseen = [p for p in placements(new) if p not in compiled and p not in placements(old)]
         return per_device / (self.bandwidth_gbps * 1e9) + self.compile_s * len(unseen), moved, len(unseen)
-
-
-def received_per_device(old: Sequence[int], new: Sequence[int]) -> list[float]:
-    """Share of a model copy each device of `new` must receive (it keeps what it already holds of its
-    new shard); sums to `capacity.moved_fraction(old, new)`."""
-    old_of = {d: (tp, d - first) for tp, first in placements(old) for d in range(first, first + tp)}
-    out = []
-    for tp, first in placements(new):
-        for d in range(first, first + tp):
-            lo, hi = (d - first) / tp, (d - first + 1) / tp
-            have = 0.0
-            if d in old_of:
-                o_tp, o_k = old_of[d]
-                have = max(0.0, min(hi, (o_k + 1) / o_tp) - max(lo, o_k / o_tp))
-            out.append(hi - lo - have)
-    return out
 
 
 class SimCluster:
@@ -239,11 +223,13 @@ class SimCluster:
             raise NoInstanceAvailable("no instance is serving")
         if prefer is not None and any(e.name == prefer for e in healthy):
             inst = next(e for e in healthy if e.name == prefer)
+            own = own_time(inst.visible.load, req)
         else:
-            name = self.router.choose([e.snapshot() for e in healthy], req, t)
-            inst = next(e for e in healthy if e.name == name)
-        inst.pending_work.append(own_time(inst.visible.load, req))
-        inst.engine.submit(req, future=future, speed_ratio=ratio)
+            placed = self.router.place([e.snapshot() for e in healthy], req, t)
+            inst = next(e for e in healthy if e.name == placed.instance)
+            own = placed.own_seconds
+        inst.pending_work.append(own)
+        inst.engine.submit(req, future=future, speed_ratio=ratio, own_seconds=own)
         self.where[req.id] = inst.name
         self.wake(inst, t)
         return inst.name

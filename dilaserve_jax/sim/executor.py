@@ -1,6 +1,6 @@
 """The modelled executor: a `Runner` whose steps cost modelled time on a virtual clock.
 
-`ModelledRunner` implements `serving.types.Runner` (admit / release / step / answer) like
+`ModelledRunner` implements `serving.policy.types.Runner` (admit / release / step / answer) like
 `JaxRunner`, with no model behind it: a step advances the instance's `VirtualClock` by the step
 time (`StepTimeModel`: a latency profile, optionally bucketed like the real decoder's padded shapes,
 times a noise factor, plus a per-iteration host overhead), and each slot commits the positions its
@@ -18,6 +18,7 @@ import numpy as np
 
 from dilaserve_jax.serving.cluster.fake_runner import FakeClock
 from dilaserve_jax.serving.policy.latency import LatencyModel, Profile
+from dilaserve_jax.core.buckets import padded
 from dilaserve_jax.core.outcome import SlotOutcome
 from dilaserve_jax.core.kinds import StepKind
 from dilaserve_jax.sim.quality import Progress, QualityModel, RequestPlan
@@ -33,13 +34,6 @@ class VirtualClock(FakeClock):
         if t < now - 1e-12:
             raise ValueError(f"virtual time runs forward: {t} < {now}")
         self.advance(max(0.0, t - now))
-
-
-def _bucket(x: int, buckets: Sequence[int]) -> int:
-    if not buckets:
-        return x
-    i = bisect.bisect_left(buckets, x)
-    return buckets[i] if i < len(buckets) else x
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +71,7 @@ class StepTimeModel:
         return cls(LatencyModel.from_profile(profile), table, **kw)
 
     def mean(self, kind: StepKind, batch: int, canvas: int, block: int, tp: int) -> float:
-        b, l = _bucket(batch, self.batch_buckets), _bucket(canvas, self.length_buckets)
+        b, l = padded(batch, self.batch_buckets), padded(canvas, self.length_buckets)
         t = self.table.get((int(kind), tp, b, l, block))
         if t is None:
             t = self.latency.predict(kind, b, l, block, tp)
@@ -104,7 +98,7 @@ class StepTimeModel:
         if self.length_buckets:
             groups: dict[tuple[int, int], int] = {}
             for canvas, block in shapes:
-                key = (_bucket(canvas, self.length_buckets), block)
+                key = (padded(canvas, self.length_buckets), block)
                 groups[key] = groups.get(key, 0) + 1
             t = sum(self.mean(kind, n, l, k, tp) - self.overhead_s for (l, k), n in groups.items())
         else:

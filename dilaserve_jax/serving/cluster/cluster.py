@@ -6,6 +6,11 @@ are re-queued on the survivors from their last committed canvas (their next step
 only when no instance survives do they fail, with `NoInstanceAvailable` naming the faults. A
 watchdog thread fails an instance whose runner call outlives `step_timeout_s`.
 
+Administrative operations — a reshape (serving/cluster/reshape.py) or a weight swap
+(serving/cluster/weights_swap.py) — run one at a time: each holds the cluster through
+`exclusive()` and changes it only through the `ClusterAdmin` handle it gets (the instance set,
+retiring engines, re-routing requests), whose calls take the cluster's locks.
+
 Pure Python over engines: which runners they drive (real jitted decoding, or the fake runner in
 tests) is decided by whoever builds the cluster (see serving/executor/build.py for the real one).
 """
@@ -15,37 +20,32 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
+from dilaserve_jax.serving.cluster.admin import ClusterAdmin, ClusterBusy
+from dilaserve_jax.serving.cluster.autoscale import Autoscaler
+from dilaserve_jax.serving.cluster.builder import InstanceBuilder, InstanceInfo
 from dilaserve_jax.serving.cluster.engine import Engine
 from dilaserve_jax.serving.cluster.engine_types import EngineUnavailable, Handoff, ProgressFn, RequestHandle, RequestResult
+from dilaserve_jax.serving.cluster.protocol import ArrivalObserver
+from dilaserve_jax.serving.cluster.reshape import ReshapeReport, migrate as move_request, reconfigure as reshape
+from dilaserve_jax.serving.cluster.state import NO_CONTROLLER, CheckpointWatchState, ClusterState, InstanceState
+from dilaserve_jax.serving.cluster.weights_swap import NewWeights, ReloadReport, swap_weights
 from dilaserve_jax.serving.policy.limits import DEFAULT_STEP_TIMEOUT_S
 from dilaserve_jax.serving.policy.request import Request, RequestState
 from dilaserve_jax.serving.policy.router import NoInstanceAvailable, Router
+from dilaserve_jax.serving.policy.snapshots import EngineSnapshot
 
-if TYPE_CHECKING:
-    from dilaserve_jax.serving.cluster.weights_swap import NewWeights, ReloadReport
-
+__all__ = ["Cluster", "ClusterBusy", "DuplicateRequest", "InstanceInfo"]
 log = logging.getLogger(__name__)
 
 Listener = Callable[[str, dict], None]  # (event, details): "failure", "migration", "reload", "reconfigure"
-ArrivalObserver = Callable[[Request, float], None]
 
 
 class DuplicateRequest(ValueError):
     """A request with this id is already in flight somewhere in the cluster."""
-
-
-class ClusterBusy(RuntimeError):
-    """Another administrative operation (reload, reconfiguration) is under way."""
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceInfo:
-    name: str
-    tp_degree: int
-    device_ids: tuple[int, ...]
 
 
 @dataclass(slots=True)
@@ -61,7 +61,9 @@ class Cluster:
                  model_source: str, tokenizer, limits, clock: Callable[[], float] = time.monotonic,
                  loader: Callable[[str, int | None], NewWeights] | None = None,
                  warmup_fn: Callable[["Cluster"], None] | None = None,
-                 step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S, family: str = ""):
+                 step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S, family: str = "",
+                 builder: InstanceBuilder | None = None):
+        """`builder`: what reconfigurations build instances with (None: the layout is fixed)."""
         if len(engines) != len(infos):
             raise ValueError("one InstanceInfo per engine")
         names = [e.name for e in engines]
@@ -77,7 +79,7 @@ class Cluster:
         self.step_timeout_s = step_timeout_s
         self._loader, self._warmup_fn = loader, warmup_fn
         self._lock = threading.Lock()  # the in-flight table and placement
-        self._admin = threading.Lock()  # one reload / reconfiguration at a time
+        self._admin = threading.Lock()  # one reload / reconfiguration at a time (`exclusive`)
         self._inflight: dict[str, _Tracked] = {}
         self._abort_wanted: set[str] = set()
         self._listeners: list[Listener] = []
@@ -85,17 +87,17 @@ class Cluster:
         self._step_hooks: list = []
         self._held: list[tuple[_Tracked, Handoff]] = []  # placed once a reconfiguration brings instances up
         self.switching = False
-        self.builder = None  # executor-side InstanceBuilder (serving.reshape) for reconfigurations
-        self.autoscaler = None  # serving.autoscale.Autoscaler running the cluster controller
+        self.builder = builder
+        self.autoscaler: Autoscaler | None = None  # runs the cluster controller; set by whoever builds the cluster
+        self.checkpoint_watch: Callable[[], CheckpointWatchState] | None = None  # a watcher's progress, if any
         self.background: list[threading.Thread] = []  # set-up work that stop() waits for
-        self.reconfigurations: list = []  # ReshapeReports, newest last
+        self.reconfigurations: list[ReshapeReport] = []  # newest last
         self._watchdog: threading.Thread | None = None
         self._stopping = threading.Event()
         self.failures: dict[str, str] = {}  # instance -> fault
         self.migrations: dict[str, int] = {}  # reason -> requests moved
         self.reloads = 0
         self.weight_updates: dict[str, int] = {}  # origin ("reload", "push", "watch") -> swaps
-        self._status: dict[str, Callable[[], dict]] = {}
         self.ready = False
         for e in self.engines:
             e.on_failure = self._on_failure
@@ -156,8 +158,7 @@ class Cluster:
         for e in self.engines:
             e.add_step_hook(hook)
 
-    def adopt_engines(self, engines: Sequence[Engine]) -> None:
-        """Prepare engines a reconfiguration built: failure handling and the cluster's step hooks."""
+    def _adopt(self, engines: Sequence[Engine]) -> None:
         for e in engines:
             e.on_failure = self._on_failure
             for hook in self._step_hooks:
@@ -219,6 +220,12 @@ class Cluster:
     def healthy_engines(self) -> list[Engine]:
         return [e for e in self.engines if e.healthy]
 
+    def snapshots(self) -> list[EngineSnapshot]:
+        return [e.snapshot() for e in self.engines]
+
+    def compiled_placements(self) -> frozenset[tuple[int, int]]:
+        return self.builder.compiled_placements() if self.builder is not None else frozenset()
+
     # --- moving requests ---
     def requeue(self, handoffs: Sequence[Handoff], reason: str, exclude: frozenset[str] = frozenset(),
                 prefer: str | None = None) -> None:
@@ -231,7 +238,7 @@ class Cluster:
             self.migrations[reason] = self.migrations.get(reason, 0) + len(handoffs)
             self._emit("migration", {"reason": reason, "count": len(handoffs)})
 
-    def place_held(self) -> None:
+    def _place_held(self) -> None:
         """Place the requests held while no instance was up (end of a reconfiguration)."""
         with self._lock:
             held, self._held = self._held, []
@@ -264,11 +271,13 @@ class Cluster:
         tried = set(exclude)
         while True:
             snaps = [e.snapshot() for e in self.engines]
+            own = None  # the router's estimate of its time there, passed on so it is made once
             if prefer is not None and prefer not in tried and any(s.name == prefer and s.healthy for s in snaps):
                 name = prefer
             else:
                 try:
-                    name = self.router.choose(snaps, h.request, self.clock(), frozenset(tried))
+                    placed = self.router.place(snaps, h.request, self.clock(), frozenset(tried))
+                    name, own = placed.instance, placed.own_seconds
                 except NoInstanceAvailable:
                     if self.switching:  # instances are coming up: hold it until they are
                         self._held.append((tracked, h))
@@ -276,7 +285,8 @@ class Cluster:
                         return
                     raise
             try:
-                self.engine(name).submit(h.request, h.on_progress, future=h.future, speed_ratio=h.speed_ratio)
+                self.engine(name).submit(h.request, h.on_progress, future=h.future, speed_ratio=h.speed_ratio,
+                                         own_seconds=own)
             except EngineUnavailable:  # it failed since its snapshot: try the others
                 tried.add(name)
                 continue
@@ -311,6 +321,20 @@ class Cluster:
                 log.exception("cluster listener failed on %s", event)
 
     # --- administration ---
+    @contextmanager
+    def exclusive(self, what: str, wait_s: float | None = None) -> Iterator[ClusterAdmin]:
+        """Hold the cluster for one administrative operation (`what`: "reload", "reconfiguration");
+        waits up to `wait_s` for one under way (None: not at all), else raises ClusterBusy."""
+        got = self._admin.acquire(blocking=False) if wait_s is None else self._admin.acquire(timeout=wait_s)
+        if not got:
+            raise ClusterBusy(f"cannot start a {what}: another reload or reconfiguration is in progress")
+        admin = _Admin(self)
+        try:
+            yield admin
+        finally:
+            admin.held = False
+            self._admin.release()
+
     def reload(self, source: str, step: int | None = None, timeout: float | None = 600.0,
                origin: str = "reload") -> ReloadReport:
         """Load new weights and swap them into every serving instance between two of its steps.
@@ -319,8 +343,6 @@ class Cluster:
         with a refresh (its cached K/V came from the old ones). Raises ClusterBusy if another
         reload or reconfiguration is under way; the loader's errors pass through unchanged (the
         old weights keep serving)."""
-        from dilaserve_jax.serving.cluster.weights_swap import swap_weights
-
         if self._loader is None:
             raise ValueError("this cluster cannot reload weights")
         return swap_weights(self, lambda: self._loader(source, step), timeout, None, origin)
@@ -331,46 +353,89 @@ class Cluster:
         training job) in, exactly as `reload` does after loading. `new` may be a function giving them,
         called while no reload or reconfiguration can start. `wait_s`: how long to wait for one under
         way (None: raise ClusterBusy at once)."""
-        from dilaserve_jax.serving.cluster.weights_swap import swap_weights
-
         return swap_weights(self, new if callable(new) else lambda: new, timeout, wait_s, origin)
 
-    def add_status(self, name: str, status: Callable[[], dict]) -> None:
-        """Report `status()` under `name` in state() (e.g. a checkpoint watcher's progress)."""
-        self._status = {**self._status, name: status}
-
-    def reconfigure(self, spec: str, reason: str = "manual"):
+    def reconfigure(self, spec: str, reason: str = "manual") -> ReshapeReport:
         """Reshape the devices into the layout `spec` while serving (see serving/cluster/reshape.py)."""
-        from dilaserve_jax.serving.cluster.reshape import reconfigure
-
-        return reconfigure(self, spec, reason)
+        return reshape(self, spec, reason)
 
     def migrate(self, request_id: str, target: str, reason: str = "rebalance", timeout: float = 60.0) -> bool:
         """Move one request to instance `target` at its next step boundary (False if it is gone)."""
-        from dilaserve_jax.serving.cluster.reshape import migrate
+        return move_request(self, request_id, target, reason, timeout)
 
-        return migrate(self, request_id, target, reason, timeout)
+    def state(self) -> ClusterState:
+        instances = tuple(InstanceState.of(info, e.snapshot()) for e, info in zip(self.engines, self.infos))
+        scaler, watch = self.autoscaler, self.checkpoint_watch
+        return ClusterState(self.layout, self.policy, self.model_source, self.family, instances,
+                            dict(self.failures), dict(self.migrations), self.reloads, self.in_flight(),
+                            dict(self.weight_updates), scaler.state() if scaler is not None else NO_CONTROLLER,
+                            tuple(str(r) for r in self.reconfigurations[-8:]), watch() if watch is not None else None)
 
-    def state(self) -> dict:
-        instances = []
-        for engine, info in zip(self.engines, self.infos):
-            snap = engine.snapshot()
-            instances.append({"name": info.name, "tp_degree": info.tp_degree, "device_ids": list(info.device_ids),
-                              "slots": snap.load.num_slots, "running": len(snap.load.running_left),
-                              "waiting": len(snap.load.waiting_left) + len(snap.pending), "steps_done": snap.steps,
-                              "state": snap.state.name.lower(), "error": snap.error or "",
-                              "quality": snap.load.quality.as_dict() if snap.load.quality else None})
-        scaler = self.autoscaler
-        ctl = getattr(scaler, "controller", None)
-        return {"layout": self.layout, "policy": self.policy, "model": self.model_source, "family": self.family,
-                "instances": instances, "failures": dict(self.failures), "migrations": dict(self.migrations),
-                "reloads": self.reloads, "in_flight": self.in_flight(), "weight_updates": dict(self.weight_updates),
-                "controller_mode": scaler.mode if scaler is not None else "manual",
-                "decisions": [str(d) for d in list(ctl.history)[-8:]] if ctl is not None else [],
-                "reconfigurations": [str(r) for r in self.reconfigurations[-8:]],
-                "recent_migrations": [f"{m.request_id}: {m.source} -> {m.target} ({m.reason})"
-                                      for _, m in list(getattr(scaler, "migrations", []))[-8:]],
-                **{name: status() for name, status in self._status.items()}}
+
+class _Admin:
+    """The `ClusterAdmin` an exclusive operation is handed; it refuses use once the hold ends."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self._cluster, self.held = cluster, True
+        self.clock = cluster.clock
+
+    @property
+    def _c(self) -> Cluster:
+        if not self.held:
+            raise RuntimeError("this administrative operation no longer holds the cluster")
+        return self._cluster
+
+    @property
+    def layout(self) -> str:
+        return self._c.layout
+
+    @property
+    def engines(self) -> list[Engine]:
+        return list(self._c.engines)
+
+    @property
+    def healthy_engines(self) -> list[Engine]:
+        return self._c.healthy_engines
+
+    def adopt(self, engines: Sequence[Engine]) -> None:
+        self._c._adopt(engines)
+
+    def retire(self, engines: Sequence[Engine]) -> None:
+        c, names = self._c, {e.name for e in engines}
+        c.switching = True  # requests no instance can take are held until `install`
+        with c._lock:
+            c.engines = [e for e in c.engines if e.name not in names]
+            c.retiring.update({e.name: e for e in engines})
+
+    def install(self, engines: Sequence[Engine], infos: Sequence[InstanceInfo], layout: str) -> None:
+        c, names = self._c, {e.name for e in engines}
+        with c._lock:  # one step: a request placed meanwhile sees the old set or the new one
+            c.retiring.update({e.name: e for e in c.engines if e.name not in names})
+            c.engines, c.infos, c.layout = list(engines), list(infos), layout
+        c.switching = False
+        c._place_held()
+
+    def requeue(self, handoffs: Sequence[Handoff], reason: str, exclude: frozenset[str] = frozenset()) -> None:
+        self._c.requeue(handoffs, reason, exclude)
+
+    def forget(self, names: Sequence[str]) -> None:
+        c = self._c
+        for name in names:
+            c.retiring.pop(name, None)
+
+    def record_reconfiguration(self, report: ReshapeReport) -> None:
+        c = self._c
+        c.reconfigurations.append(report)
+        del c.reconfigurations[:-32]
+
+    def weights_swapped(self, source: str, origin: str) -> None:
+        c = self._c
+        c.model_source = source
+        c.reloads += 1
+        c.weight_updates[origin] = c.weight_updates.get(origin, 0) + 1
+
+    def emit(self, event: str, details: dict) -> None:
+        self._c._emit(event, details)
 
 
 def _fail(fut: Future, err: BaseException) -> None:

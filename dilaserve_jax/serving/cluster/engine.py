@@ -59,10 +59,11 @@ class Engine:
 
     # --- thread-safe API ---
     def submit(self, request: Request, on_progress: ProgressFn | None = None, future: Future | None = None,
-               speed_ratio: float | None = None) -> RequestHandle:
-        """Queue a request (new, or moved here with its caller's `future`); applied between steps."""
+               speed_ratio: float | None = None, own_seconds: float | None = None) -> RequestHandle:
+        """Queue a request (new, or moved here with its caller's `future`); applied between steps.
+        own_seconds: its predicted time here when the router already worked it out (`Placement`)."""
         fut = future if future is not None else Future()
-        work = own_time(self.snapshot().load, request)
+        work = own_time(self.snapshot().load, request) if own_seconds is None else own_seconds
         with self._cv:
             if self._state in (EngineState.STOPPED, EngineState.FAILED):
                 raise EngineUnavailable(f"instance {self.name} is {self._state.name.lower()}", self.error)

@@ -9,6 +9,7 @@ never chosen. Pure Python over snapshots (the simulator reuses it).
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 from typing import Sequence
 
 from dilaserve_jax.serving.policy.snapshots import EngineSnapshot, own_time
@@ -19,15 +20,32 @@ class NoInstanceAvailable(RuntimeError):
     """Every instance has failed or stopped."""
 
 
-def predict_finish(snap: EngineSnapshot, request: Request, now: float) -> float:
-    """Predicted finish of `request` if sent to this instance now (queue + its own time at τ_max)."""
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a request goes, and its own predicted seconds there (the estimate the instance then
+    counts as pending work, so it is computed once per submit)."""
+
+    instance: str
+    own_seconds: float
+    finish: float
+
+
+def placement(snap: EngineSnapshot, request: Request, now: float) -> Placement:
+    """`request` sent to this instance now: its own time at τ_max and its predicted finish
+    (the queue ahead of it, then its own time)."""
     load = snap.load
     slots = [max(0.0, t - (now - load.time)) for t in load.running_left]
     slots += [0.0] * max(0, load.num_slots - len(slots))
     heapq.heapify(slots)
     for w in (*load.waiting_left, *snap.pending):  # FIFO approximation of the queue
         heapq.heappush(slots, heapq.heappop(slots) + w)
-    return now + heapq.heappop(slots) + own_time(load, request)
+    own = own_time(load, request)
+    return Placement(snap.name, own, now + heapq.heappop(slots) + own)
+
+
+def predict_finish(snap: EngineSnapshot, request: Request, now: float) -> float:
+    """Predicted finish of `request` if sent to this instance now (queue + its own time at τ_max)."""
+    return placement(snap, request, now).finish
 
 
 class Router:
@@ -36,9 +54,14 @@ class Router:
     def choose(self, snapshots: Sequence[EngineSnapshot], request: Request, now: float,
                exclude: frozenset[str] = frozenset()) -> str:
         """Name of the instance to send `request` to."""
+        return self.place(snapshots, request, now, exclude).instance
+
+    def place(self, snapshots: Sequence[EngineSnapshot], request: Request, now: float,
+              exclude: frozenset[str] = frozenset()) -> Placement:
+        """The instance to send `request` to, with its own predicted seconds there."""
         healthy = [s for s in snapshots if s.healthy and s.name not in exclude]
         if not healthy:
             down = "; ".join(f"{s.name}: " + ("unavailable" if s.healthy else s.state.name.lower())
                              + (f" ({s.error})" if s.error else "") for s in snapshots)
             raise NoInstanceAvailable(f"no instance is serving ({down or 'none configured'})")
-        return min(healthy, key=lambda s: predict_finish(s, request, now)).name
+        return min((placement(s, request, now) for s in healthy), key=lambda p: p.finish)

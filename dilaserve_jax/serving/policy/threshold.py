@@ -30,7 +30,7 @@ from typing import Callable, Mapping, Sequence
 
 from dilaserve_jax.serving.policy.eval_rows import prior_from_eval_json, read_eval_rows
 from dilaserve_jax.serving.policy.quality import QualityBudget, QualityConfig, QualitySnapshot, interpolate
-from dilaserve_jax.serving.policy.request import Request
+from dilaserve_jax.serving.policy.request import Request, steps_left
 from dilaserve_jax.core.kinds import StepKind
 
 TAU_GRID: tuple[float, ...] = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5, 0.4, 0.3)
@@ -193,15 +193,8 @@ class ThresholdController:
         return cands if floor is None else [t for t in cands if t >= floor - 1e-12] or cands[:1]
 
     def steps_needed(self, req: Request, tau: float) -> tuple[int, int]:
-        """(refresh steps, reuse steps) to finish at τ."""
-        if req.blocks_left == 0:
-            return 0, 0
-        tps = max(1.0, self.tps.rate(tau) * self.ratios.get(req.id, 1.0))
-        first = max(1, math.ceil(req.masked_in_block / tps))
-        per_block = max(1, math.ceil(req.block_length / tps))
-        full = req.blocks_left - 1
-        n_refresh = full + (1 if req.needs_refresh else 0)
-        return n_refresh, first + full * per_block - n_refresh
+        """(refresh steps, reuse steps) to finish at τ, at this request's own tokens per step."""
+        return steps_left(req, self.tps.rate(tau) * self.ratios.get(req.id, 1.0))
 
     def refresh_fraction(self, req: Request, tau: float) -> float:
         n_ref, n_reu = self.steps_needed(req, tau)
