@@ -332,7 +332,7 @@ def run(cfg: BenchConfig, say, progress: bool) -> tuple[list[dict], dict, dict]:
             "duration": cfg.duration, "tau_range": [cfg.tau_min, cfg.tau_max], "static_tau": cfg.static_tau,
             "reference_accuracy": float(np.mean(bench.reference)), "latency_model": bench.latency.label,
             "fit": str(bench.latency.report), "clock": cfg.clock,
-            "profile_points": [[p.kind.name.lower(), p.batch, p.canvas, p.block, p.seconds] for p in bench.profile.points],
+            "profile_points": [[p.kind.label, p.batch, p.canvas, p.block, p.seconds] for p in bench.profile.points],
             "host_load_at_start": os.getloadavg()[0], "host_cpus": os.cpu_count()}
     say(f"capacity at τ={cfg.static_tau}: {cap:.2f} req/s with {cfg.slots} slots; idle latency mean "
         f"{info['idle_latency_mean'] * 1e3:.0f} ms, max {info['idle_latency_max'] * 1e3:.0f} ms; pool of "

@@ -94,7 +94,7 @@ class ServingMetrics:
 
     def step_hook(self, name: str, plan, outcomes: Sequence, t0: float, t1: float) -> None:
         """Engine step hook (runs on the engine thread)."""
-        self.step_seconds.labels(kind=plan.kind.name.lower()).observe(t1 - t0)
+        self.step_seconds.labels(kind=plan.kind.label).observe(t1 - t0)
         for tau, outcome in zip(plan.taus, outcomes):
             self.tau.observe(tau)
             self.tokens_per_step.observe(outcome.n_committed)

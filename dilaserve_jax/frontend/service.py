@@ -227,7 +227,7 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
     def _update(tok, answer, spec, step, total, p=None) -> pb.StepUpdate:
         return pb.StepUpdate(step=step, canvas=render_canvas(tok, answer[:spec.max_new_tokens]),
                              tokens_committed=len(p.positions) if p else 0, total_committed=total,
-                             tau=p.tau if p else 0.0, step_kind=p.kind.name.lower() if p else "")
+                             tau=p.tau if p else 0.0, step_kind=p.kind.label if p else "")
 
     def _final(self, spec: GenerateSpec, req: Request, result) -> pb.GenerateResponse:
         tokens = list(result.tokens)[:spec.max_new_tokens]

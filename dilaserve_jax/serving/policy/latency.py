@@ -28,9 +28,6 @@ from scipy.optimize import nnls
 
 from dilaserve_jax.core.kinds import StepKind
 
-_KIND_NAMES = {"refresh": StepKind.REFRESH, "reuse": StepKind.REUSE}
-
-
 @dataclass(frozen=True, slots=True)
 class ProfilePoint:
     kind: StepKind
@@ -48,11 +45,11 @@ class ProfilePoint:
 
     @classmethod
     def from_json(cls, d: Mapping) -> "ProfilePoint":
-        kind = _KIND_NAMES[d["kind"]] if isinstance(d["kind"], str) else StepKind(d["kind"])
+        kind = StepKind.parse(d["kind"]) if isinstance(d["kind"], str) else StepKind(d["kind"])
         return cls(kind, int(d["batch"]), int(d["canvas"]), int(d["block"]), int(d.get("tp", 1)), float(d["seconds"]))
 
     def to_json(self) -> dict:
-        return {"kind": self.kind.name.lower(), "batch": self.batch, "canvas": self.canvas,
+        return {"kind": self.kind.label, "batch": self.batch, "canvas": self.canvas,
                 "block": self.block, "tp": self.tp, "seconds": self.seconds}
 
 
@@ -205,7 +202,7 @@ def fit(points: Iterable[ProfilePoint | Mapping], holdout_fraction: float = 0.2,
             errs = [abs(trial.predict(p.kind, p.batch, p.canvas, p.block, p.tp) - p.seconds) / p.seconds
                     for p in held if p.kind == kind]
             if errs:
-                mean_err[kind.name.lower()] = float(np.mean(errs))
-                max_err[kind.name.lower()] = float(np.max(errs))
+                mean_err[kind.label] = float(np.mean(errs))
+                max_err[kind.label] = float(np.max(errs))
     report = FitReport(len(train), len(held), mean_err, max_err)
     return LatencyModel(_fit_groups(pts), report=report)
