@@ -38,16 +38,9 @@ def replicated_on(sharding) -> Any:
     return SingleDeviceSharding(min(sharding.device_set, key=lambda d: d.id))
 
 
-def placement_key(params, state: DecodeState) -> tuple:
-    """Hashable identity of where params and state live (shapes excluded: those are in StepShape).
-
-    Take it from the state as placed at start: outputs may carry an equivalent sharding spelled
-    differently (trailing None dropped), which must not look like a new placement.
-    """
-    return leaf_placement(params) + leaf_placement(state)
-
-
 def leaf_placement(tree) -> tuple:
+    """Hashable identity of where a tree's leaves live. Take a state's from it as placed at start:
+    step outputs may carry an equivalent sharding spelled differently (trailing None dropped)."""
     return tuple((x.shape, str(x.dtype), x.sharding) for x in jax.tree.leaves(tree))
 
 

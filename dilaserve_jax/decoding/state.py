@@ -28,7 +28,6 @@ class DecodeState:
     answer_len: jax.Array  # [S] int32
     block_start: jax.Array  # [S] int32 absolute position of the current block
     block_len: jax.Array  # [S] int32
-    tau: jax.Array  # [S] float32 threshold of the latest step
     temperature: jax.Array  # [S] float32; 0 = greedy
     seed: jax.Array  # [S] uint32 sampling seed
     steps: jax.Array  # [S] int32 steps taken; folded into the sampling key so each step draws anew
@@ -40,6 +39,9 @@ class DecodeState:
     @property
     def length(self) -> int:
         return self.canvas.shape[1]
+
+
+SLOT_SCALAR_BYTES = 4 * 7  # prompt_len .. steps: seven 4-byte scalars per slot
 
 
 def _kv_dtype(cfg: ModelConfig):
@@ -54,7 +56,7 @@ def kv_bytes_per_slot(cfg: ModelConfig, length: int) -> int:
 
 def bytes_per_slot(cfg: ModelConfig, length: int, with_cache: bool = True) -> int:
     """Device bytes of one slot: K/V cache plus the canvas and the per-slot scalars."""
-    return (kv_bytes_per_slot(cfg, length) if with_cache else 0) + 4 * length + 4 * 8
+    return (kv_bytes_per_slot(cfg, length) if with_cache else 0) + 4 * length + SLOT_SCALAR_BYTES
 
 
 def slots_for_budget(cfg: ModelConfig, length: int, budget_bytes: int, with_cache: bool = True) -> int:
@@ -80,7 +82,7 @@ def init_state(cfg: ModelConfig, num_slots: int, length: int, *, with_cache: boo
     host = DecodeState(
         canvas=np.full((num_slots, length), cfg.pad_id, np.int32), kv=kv, prompt_len=zeros_i,
         answer_len=zeros_i, block_start=zeros_i, block_len=zeros_i,
-        tau=np.ones((num_slots,), np.float32), temperature=np.zeros((num_slots,), np.float32),
+        temperature=np.zeros((num_slots,), np.float32),
         seed=np.zeros((num_slots,), np.uint32), steps=zeros_i)
     if sharding is None:
         return jax.device_put(host)

@@ -148,7 +148,6 @@ def decode_step(graphdef, params, state: DecodeState, slots, taus, *, shape: Ste
         new_state = state.replace(
             canvas=new_canvas, kv=new_kv,
             block_start=state.block_start.at[slots].set(next_block, mode="drop"),
-            tau=state.tau.at[slots].set(taus.astype(jnp.float32), mode="drop"),
             steps=state.steps.at[slots].add(1, mode="drop"))
     return new_state, StepOutput(out_pos, out_tok, n_committed, max_conf, block_done, finished, histogram)
 

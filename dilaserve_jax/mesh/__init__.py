@@ -1,6 +1,5 @@
 """Device meshes: specs ("2x4", "4+2+1+1"), layouts of instances, the sharding table, placement,
-live resharding, compiled-step caching and multi-host start-up."""
-from dilaserve_jax.mesh.compile_cache import CompileCache, CompileKey
+live resharding and multi-host start-up."""
 from dilaserve_jax.mesh.layout import MODEL_AXIS, Instance, Layout
 from dilaserve_jax.mesh.placement import (abstract_sharded_params, host_placer, load_into_layout, place_params,
                                           replicate_to_instances)
@@ -10,7 +9,7 @@ from dilaserve_jax.mesh.sharding import (SHARDING_RULES, kv_cache_partition_spec
 from dilaserve_jax.mesh.spec import MeshSpec, MeshSpecError, check_model_tp
 
 __all__ = [
-    "CompileCache", "CompileKey", "Instance", "Layout", "MODEL_AXIS", "MeshSpec", "MeshSpecError", "ReshardReport",
+    "Instance", "Layout", "MODEL_AXIS", "MeshSpec", "MeshSpecError", "ReshardReport",
     "SHARDING_RULES", "abstract_sharded_params", "check_model_tp", "host_placer", "kv_cache_partition_spec",
     "kv_cache_sharding", "load_into_layout", "param_shardings", "partition_spec", "place_params",
     "replicate_to_instances", "reshard", "sharding_table",

@@ -13,7 +13,7 @@ from typing import Iterable, Sequence
 
 import jax
 
-from dilaserve_jax.decoding.state import kv_bytes_per_slot
+from dilaserve_jax.decoding.state import SLOT_SCALAR_BYTES, kv_bytes_per_slot
 from dilaserve_jax.mesh.sharding import kv_heads_replicated
 from dilaserve_jax.models.config import ModelConfig
 
@@ -57,7 +57,7 @@ def device_bytes_per_slot(cfg: ModelConfig, tp: int, length: int, with_cache: bo
     kv = kv_bytes_per_slot(cfg, length) if with_cache else 0
     if kv and not kv_heads_replicated(cfg.n_kv_heads, tp):
         kv //= tp
-    return kv + 4 * length + 4 * 8  # + the replicated canvas row and per-slot scalars (see decoding/state.py)
+    return kv + 4 * length + SLOT_SCALAR_BYTES  # + the replicated canvas row and per-slot scalars
 
 
 def slots_for_device_budget(cfg: ModelConfig, tp: int, length: int, budget_bytes: int,

@@ -77,11 +77,6 @@ def _letters(rng: np.random.Generator, lo: int, hi: int, alphabet: str = LOWER) 
     return "".join(alphabet[i] for i in rng.integers(0, len(alphabet), n))
 
 
-def _shuffled(rng: np.random.Generator, seq) -> list:
-    seq = list(seq)
-    return [seq[i] for i in rng.permutation(len(seq))]
-
-
 # --- deterministic tasks -------------------------------------------------------------------------
 
 def _draw_sort(rng):

@@ -47,7 +47,7 @@ def test_slot_bytes_per_device_match_the_placed_state(tp):
     held = bytes_per_device(state)
     assert set(held) == set(inst.device_ids)
     assert all(b == 3 * device_bytes_per_slot(cfg, tp, 128) for b in held.values())
-    assert device_bytes_per_slot(cfg, tp, 128, with_cache=False) == 4 * 128 + 32
+    assert device_bytes_per_slot(cfg, tp, 128, with_cache=False) == 4 * 128 + 4 * 7
 
 
 def test_budget_sizes_slots_and_says_when_none_fits():

@@ -201,9 +201,6 @@ class Request:
     def masked_in_block(self) -> int:
         return self.block_length - self.block_committed if self.blocks_left else 0
 
-    def slack(self, now: float) -> float:
-        return self.deadline - now
-
     def mean_tau(self) -> float | None:
         return sum(s.tau for s in self.steps) / len(self.steps) if self.steps else None
 
