@@ -62,6 +62,7 @@ class Server:
         (health NOT_SERVING while compiling)."""
         from dilaserve_jax.frontend.server import ServerOptions
         from dilaserve_jax.mesh.share import share_layout
+        from dilaserve_jax.mesh.spec import check_model
         from dilaserve_jax.serving.executor.build import ServeConfig, build_cluster
         from dilaserve_jax.serving.executor.push import WeightPusher
 
@@ -79,7 +80,7 @@ class Server:
         self.options = ServerOptions(host=host, port=port, metrics_port=metrics_port, auth_token=auth_token,
                                      admin_token=admin_token, weights_roots=tuple(weights_roots), grace_s=grace_s)
         layout = share_layout(mesh, ids)
-        layout.spec.check_model(model_cfg)
+        check_model(layout.spec, model_cfg)
         serving, plans = _serving_model(self.config, layout, model_cfg, params, tokenizer, f"{name}:initial")
         self.cluster = build_cluster(self.config, self._say, layout=layout, model=serving)
         self._pusher = WeightPusher(self.cluster, plans)
@@ -195,8 +196,9 @@ class Server:
 
     # --- observing ---
     def state(self) -> dict:
-        """What GetClusterState reports (layout, instances, reloads, checkpoint watch, ...)."""
-        return self.cluster.state()
+        """What GetClusterState reports (layout, instances, reloads, checkpoint watch, ...), as plain
+        dicts and lists (JSON-ready); `server.cluster.state()` is the typed `ClusterState`."""
+        return self.cluster.state().as_dict()
 
     def client(self, **kw):
         from dilaserve_jax.frontend.client import DiLaServeClient

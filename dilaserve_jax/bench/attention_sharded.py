@@ -46,7 +46,7 @@ def _shape(x) -> str:
 
 
 def _placed_inputs(instance, batch, n_q, n_keys, heads, kv_heads, head_dim, dtype, seed=0):
-    from dilaserve_jax.mesh.sharding import attention_partition_specs
+    from dilaserve_jax.kernels.partition import attention_partition_specs
 
     keys = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.normal(keys[0], (batch, n_q, heads, head_dim), dtype)

@@ -7,7 +7,8 @@ q_proj columns produced and the kv heads those read (all of them when the table 
 so the kernel runs on the local heads and the output stays split by heads for attn_out's row split.
 
 The mesh is the one the inputs are laid out on (JAX records it in every traced value's type), so
-nothing names devices here, and the specs come from the sharding table (`attention_partition_specs`).
+nothing names devices here, and the specs are `kernels.partition.attention_partition_specs`, built
+on the kv-head rule the sharding table uses.
 """
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from dilaserve_jax.core.layouts import MODEL_AXIS
 from dilaserve_jax.kernels import flash
-from dilaserve_jax.mesh.layout import MODEL_AXIS
-from dilaserve_jax.mesh.sharding import attention_partition_specs
+from dilaserve_jax.kernels.partition import attention_partition_specs
 
 
 def inputs_mesh(*arrays):

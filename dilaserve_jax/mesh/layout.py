@@ -1,8 +1,8 @@
 """Layouts: a mesh spec made concrete, with devices assigned to every instance.
 
 Each instance gets a contiguous run of neighbouring devices inside one process (on GPUs and TPUs
-neighbouring ids share the fast links; across processes only the slow network is shared) and a
-1-D `jax.sharding.Mesh` over them with the single axis "model". The mesh is built with
+neighbouring ids share the fast links; across processes only the slow network is shared; the rule
+is `core.layouts.place`) and a 1-D `jax.sharding.Mesh` over them with the single axis "model". The mesh is built with
 `Mesh(devices, names)` on purpose: its axis is of the classic auto type, so jit propagates
 shardings from the parameters instead of demanding explicit annotations (`jax.make_mesh` would
 default to explicit axes in recent JAX).
@@ -16,10 +16,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dilaserve_jax.core.layouts import MODEL_AXIS, MeshSpec, MeshSpecError, place
+from dilaserve_jax.mesh.spec import check_model
 from dilaserve_jax.models.config import ModelConfig
-from dilaserve_jax.mesh.spec import MeshSpec, MeshSpecError
-
-MODEL_AXIS = "model"
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,30 +91,21 @@ class Layout:
     @classmethod
     def build(cls, spec: MeshSpec | str, devices: Sequence | None = None, *, config: ModelConfig | None = None,
               allow_unused: bool = False) -> "Layout":
-        """Assign `devices` (default: all of `jax.devices()`, every process's) to the spec's instances.
-
-        Instances are placed widest first, each into the first process with enough free devices,
-        taking that process's lowest free ids; with power-of-two degrees this keeps every TP group
-        contiguous and aligned to its size. With `config`, also checks the model can be sharded.
+        """Assign `devices` (default: all of `jax.devices()`, every process's) to the spec's instances
+        by `core.layouts.place`: widest first, each into the first process with enough free devices,
+        on that process's lowest free ids. With `config`, also checks the model can be sharded.
         """
         spec = MeshSpec.parse(spec) if isinstance(spec, str) else spec
         devices = list(jax.devices() if devices is None else devices)
         spec.check_device_count(len(devices), allow_unused=allow_unused)
         if config is not None:
-            spec.check_model(config)
-        free: dict[int, list] = {}
+            check_model(spec, config)
+        free: dict[int, list[int]] = {}
         for d in sorted(devices, key=lambda d: (d.process_index, d.id)):
-            free.setdefault(d.process_index, []).append(d)
-        chosen: dict[int, list] = {}
-        for index in sorted(range(spec.num_instances), key=lambda k: -spec.tp_degrees[k]):
-            tp = spec.tp_degrees[index]
-            process = next((p for p, left in free.items() if len(left) >= tp), None)
-            if process is None:
-                have = {p: len(left) for p, left in free.items()}
-                raise MeshSpecError(f"cannot place a TP-{tp} instance of {spec} inside one process: free local "
-                                    f"devices per process are {have}; TP groups may not span processes")
-            chosen[index], free[process] = free[process][:tp], free[process][tp:]
-        return cls(spec, tuple(Instance.over(k, chosen[k]) for k in range(spec.num_instances)))
+            free.setdefault(d.process_index, []).append(d.id)
+        by_id = {d.id: d for d in devices}
+        groups = place(spec.tp_degrees, free)
+        return cls(spec, tuple(Instance.over(k, [by_id[i] for i in ids]) for k, ids in enumerate(groups)))
 
     @property
     def devices(self) -> tuple:

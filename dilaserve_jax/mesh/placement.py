@@ -18,6 +18,7 @@ import numpy as np
 from dilaserve_jax.mesh.layout import Instance, Layout
 from dilaserve_jax.mesh.reshard import move
 from dilaserve_jax.mesh.sharding import param_shardings, partition_spec
+from dilaserve_jax.mesh.spec import check_model
 from dilaserve_jax.models.config import ModelConfig
 from dilaserve_jax.models.files import build_from_json, read_json
 
@@ -84,13 +85,13 @@ def load_into_layout(source: str | Path, layout: Layout, *, param_dtype: str | N
     directory = registry.ASSETS / "tiny" if name == "tiny" else Path(name)
     if (directory / "config.json").exists():
         cfg = config_from_hf(directory, **overrides)
-        layout.spec.check_model(cfg)
+        check_model(layout.spec, cfg)
         loaded = registry.load_model(directory, param_dtype=param_dtype, place=host_placer(first, cfg))
     elif (directory / registry.CONFIG_FILE).exists():
         loaded = _restore_orbax(directory, first, layout, overrides, step)
     else:  # a preset with random weights: initialised on the default device, then placed
         loaded = registry.load_model(name, param_dtype=param_dtype, seed=seed)
-        layout.spec.check_model(loaded.config)
+        check_model(layout.spec, loaded.config)
         loaded.params = place_params(loaded.params, first, loaded.config)
     return loaded, replicate_to_instances(loaded.params, first, layout, loaded.config)
 
@@ -102,7 +103,7 @@ def _restore_orbax(directory: Path, instance: Instance, layout: Layout, override
     data = read_json(directory / registry.CONFIG_FILE)
     tokenizer_kind = data.pop("tokenizer", "char")
     cfg = build_from_json(ModelConfig, data, directory / registry.CONFIG_FILE).replace(**overrides)
-    layout.spec.check_model(cfg)
+    check_model(layout.spec, cfg)
     graphdef, abstract = abstract_sharded_params(cfg, instance)
     restored_step, params = restore_params(directory, abstract, step)
     tokenizer = registry._tokenizer_for(directory, cfg, tokenizer_kind)

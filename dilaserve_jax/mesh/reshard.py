@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dilaserve_jax.models.config import ModelConfig
 from dilaserve_jax.mesh.layout import Instance, Layout
 from dilaserve_jax.mesh.sharding import param_shardings
+from dilaserve_jax.mesh.spec import check_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +288,7 @@ def reshard(params_per_instance: Sequence, old_layout: Layout, new_layout: Layou
     if len(params_per_instance) != len(old_layout.instances):
         raise ValueError(f"got params for {len(params_per_instance)} instances, old layout {old_layout.spec} has "
                          f"{len(old_layout.instances)}")
-    new_layout.spec.check_model(cfg)
+    check_model(new_layout.spec, cfg)
     plan, moved, gathered, total, copied = [], 0, 0, 0, 0  # bookkeeping first: the timing covers transfers only
     for inst in new_layout.instances:
         if not inst.is_local:

@@ -17,7 +17,8 @@ Megatron-style tensor parallelism, one all-reduce after attention and one after 
 
 Embedding and LM head fall back to replicated when TP does not divide their sharded dimension
 (odd vocabularies); heads, kv heads >= TP and MLP width must divide (see spec.check_model_tp).
-At TP 1 everything is replicated (P()).
+At TP 1 everything is replicated (P()). Attention's own operands follow the same kv-head rule
+(`core.heads.kv_heads_replicated`; `kernels.partition.attention_partition_specs`).
 """
 from __future__ import annotations
 
@@ -27,9 +28,12 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from dilaserve_jax.core.heads import kv_heads_replicated
+from dilaserve_jax.core.layouts import MODEL_AXIS
+from dilaserve_jax.kernels.partition import HEADS_SHARDED
 from dilaserve_jax.models.config import ModelConfig
-from dilaserve_jax.mesh.layout import MODEL_AXIS, Instance
-from dilaserve_jax.mesh.spec import MeshSpecError, check_model_tp, head_problems
+from dilaserve_jax.mesh.layout import Instance
+from dilaserve_jax.mesh.spec import check_model_tp
 
 COLUMNS = P(None, MODEL_AXIS)
 VECTOR = P(MODEL_AXIS)  # a bias, split with its projection's columns
@@ -64,14 +68,7 @@ SHARDING_RULES: tuple[ShardingRule, ...] = (
     ShardingRule(r"^lm_head/kernel$", COLUMNS, "vocab"),
 )
 
-HEADS_SHARDED = P(None, None, MODEL_AXIS, None)  # [B, T, heads, D] activations by heads
-KV_CACHE_SHARDED = HEADS_SHARDED  # [S, L, KVH, D] by kv heads
-
-
-def kv_heads_replicated(n_kv_heads: int, tp: int) -> bool:
-    """The GQA rule: with fewer kv heads than TP (or at TP 1) the K/V projections, the KV cache and
-    attention's K/V are whole on every device of the instance, since a kv head cannot be split."""
-    return tp == 1 or n_kv_heads < tp
+KV_CACHE_SHARDED = HEADS_SHARDED  # [S, L, KVH, D] by kv heads, as attention reads it
 
 
 def param_path(keypath) -> str:
@@ -113,21 +110,6 @@ def kv_cache_partition_spec(cfg: ModelConfig, tp: int) -> P:
     """PartitionSpec of one layer's K or V cache [S, L, KVH, D] on a TP-`tp` instance."""
     check_model_tp(cfg, tp)
     return REPLICATED if kv_heads_replicated(cfg.n_kv_heads, tp) else KV_CACHE_SHARDED
-
-
-def attention_partition_specs(n_heads: int, n_kv_heads: int, tp: int) -> tuple[P, P]:
-    """(spec of q and the output [B, Q, H, D], spec of k and v [B, L, KVH, D]) inside a TP-`tp` instance.
-
-    Query heads are split as the q_proj columns that produce them; K/V follow the k/v_proj columns
-    and the KV cache (kv_heads_replicated). A kernel run per shard with these specs computes only
-    its own heads and needs no collective.
-    """
-    problems = head_problems(n_heads, n_kv_heads, tp)
-    if problems:
-        raise MeshSpecError(f"attention cannot run at TP {tp}: " + "; ".join(problems))
-    if tp == 1:
-        return REPLICATED, REPLICATED
-    return HEADS_SHARDED, REPLICATED if kv_heads_replicated(n_kv_heads, tp) else HEADS_SHARDED
 
 
 def kv_cache_sharding(instance: Instance, cfg: ModelConfig) -> NamedSharding:

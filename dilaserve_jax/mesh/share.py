@@ -1,10 +1,8 @@
-"""A share of the machine: which devices serve, and how much of their memory the decode slots take.
+"""A share of the machine: which devices serve, and what their arrays hold.
 
 A server that runs beside a training job gets a subset of the visible devices (`--devices 4-7`)
-and a per-device memory budget for its decode slots (`--kv-memory-gb`). Per device, a serving
-instance holds its shard of the weights plus, for every slot, its shard of the K/V cache (split
-over kv heads, or whole when the instance replicates them; see mesh/sharding.py) and a
-replicated canvas row with a few per-slot scalars.
+and a per-device memory budget for its decode slots (`--kv-memory-gb`; how many slots fit is
+config arithmetic, `models.memory`). `bytes_per_device` reads back what placed arrays hold.
 """
 from __future__ import annotations
 
@@ -13,11 +11,6 @@ from typing import Iterable, Sequence
 
 import jax
 
-from dilaserve_jax.decoding.state import SLOT_SCALAR_BYTES, kv_bytes_per_slot
-from dilaserve_jax.mesh.sharding import kv_heads_replicated
-from dilaserve_jax.models.config import ModelConfig
-
-GIB = 2**30
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 
@@ -52,33 +45,6 @@ def select_devices(ids: Iterable[int], available: Sequence | None = None) -> lis
     return [by_id[i] for i in ids]
 
 
-def device_bytes_per_slot(cfg: ModelConfig, tp: int, length: int, with_cache: bool = True) -> int:
-    """Device bytes one slot of canvas `length` takes on each device of a TP-`tp` instance."""
-    kv = kv_bytes_per_slot(cfg, length) if with_cache else 0
-    if kv and not kv_heads_replicated(cfg.n_kv_heads, tp):
-        kv //= tp
-    return kv + 4 * length + SLOT_SCALAR_BYTES  # + the replicated canvas row and per-slot scalars
-
-
-def slots_for_device_budget(cfg: ModelConfig, tp: int, length: int, budget_bytes: int,
-                            with_cache: bool = True) -> int:
-    """How many slots fit in `budget_bytes` on each device of a TP-`tp` instance (0 if not one)."""
-    if budget_bytes < 0:
-        raise ValueError(f"budget must be non-negative, got {budget_bytes}")
-    return int(budget_bytes // device_bytes_per_slot(cfg, tp, length, with_cache))
-
-
-def slots_within(cfg: ModelConfig, tp: int, length: int, budget_bytes: int, cap: int, with_cache: bool = True) -> int:
-    """Slots of a TP-`tp` instance under a per-device budget, at most `cap`; an error when none fits."""
-    fit = slots_for_device_budget(cfg, tp, length, budget_bytes, with_cache)
-    if fit < 1:
-        need = device_bytes_per_slot(cfg, tp, length, with_cache)
-        raise ValueError(f"a KV budget of {budget_bytes / GIB:.4g} GiB per device holds no slot: one slot of a "
-                         f"{length}-token canvas needs {need / 2**20:.3f} MiB on each device of a TP-{tp} instance "
-                         f"of {cfg.name}")
-    return min(fit, cap)
-
-
 def bytes_per_device(tree) -> dict[int, int]:
     """{device id: bytes of `tree`'s array shards held there} (weights or decode state)."""
     held: dict[int, int] = {}
@@ -90,8 +56,8 @@ def bytes_per_device(tree) -> dict[int, int]:
 
 def share_layout(mesh: str, device_ids: Sequence[int] | None = None, *, allow_unused: bool = False):
     """The serving layout over every visible device, or over just `device_ids` (a device share)."""
+    from dilaserve_jax.core.layouts import MeshSpec, MeshSpecError
     from dilaserve_jax.mesh.layout import Layout
-    from dilaserve_jax.mesh.spec import MeshSpec, MeshSpecError
 
     if device_ids is None:
         return Layout.build(mesh, allow_unused=allow_unused)

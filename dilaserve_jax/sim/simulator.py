@@ -17,8 +17,9 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from dilaserve_jax.core.layouts import binary_partitions, layout_text, parse_layout
 from dilaserve_jax.serving.cluster.autoscale import Autoscaler
-from dilaserve_jax.serving.policy.capacity import RequestShape, binary_partitions, layout_text, parse_layout
+from dilaserve_jax.serving.policy.capacity import RequestShape
 from dilaserve_jax.serving.cluster.cluster import InstanceInfo
 from dilaserve_jax.serving.policy.controller import ClusterController, ControllerConfig
 from dilaserve_jax.serving.cluster.engine import Engine

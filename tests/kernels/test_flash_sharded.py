@@ -16,11 +16,11 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dilaserve_jax.core.layouts import MeshSpecError
 from dilaserve_jax.kernels import attention
+from dilaserve_jax.kernels.partition import attention_partition_specs
 from dilaserve_jax.kernels.reference import reference_attention
 from dilaserve_jax.kernels.sharded import inputs_mesh, model_axis_size
-from dilaserve_jax.mesh import MeshSpecError
-from dilaserve_jax.mesh.sharding import attention_partition_specs
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 HEADS_SPLIT = P(None, None, "model", None)

@@ -21,8 +21,8 @@ from dilaserve_jax.decoding.compiled import CompiledSteps, leaf_placement
 from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
 from dilaserve_jax.decoding.offline import DecodeRequest, generate_many
 from dilaserve_jax.decoding.state import init_state, state_shardings
-from dilaserve_jax.kernels import flash, sharded
-from dilaserve_jax.mesh import Layout, kv_cache_sharding, load_into_layout, sharding
+from dilaserve_jax.kernels import flash, partition, sharded
+from dilaserve_jax.mesh import Layout, kv_cache_sharding, load_into_layout
 from dilaserve_jax.models.hf import abstract_params
 from dilaserve_jax.tasks.suite import problems
 
@@ -168,7 +168,7 @@ def _without_shard_map(q, k, v, valid_len, *, mesh, **options):
 
 
 def _kv_spec_replicated(n_heads, n_kv_heads, tp):
-    return sharding.HEADS_SHARDED, P()
+    return partition.HEADS_SHARDED, P()
 
 
 @pytest.mark.parametrize("sabotage", ["no shard_map", "K/V spec replicated"])

@@ -119,7 +119,7 @@ def test_sharded_values_are_the_original(model, cfg):
 @pytest.mark.parametrize("kv_heads", [1, 2, 8])
 def test_attention_specs_follow_the_table(cfg, tp, kv_heads):
     """Attention's per-head layout is the table's: q like q_proj's columns, K/V like k_proj and the cache."""
-    from dilaserve_jax.mesh.sharding import attention_partition_specs
+    from dilaserve_jax.kernels.partition import attention_partition_specs
 
     gqa = cfg.replace(n_kv_heads=kv_heads)
     heads_spec, kv_spec = attention_partition_specs(gqa.n_heads, gqa.n_kv_heads, tp)

@@ -4,8 +4,8 @@ import pytest
 
 from dilaserve_jax.decoding.state import init_state, state_shardings
 from dilaserve_jax.mesh import Layout, kv_cache_sharding
-from dilaserve_jax.mesh.share import (GIB, bytes_per_device, device_bytes_per_slot, parse_device_ids, select_devices,
-                                      share_layout, slots_for_device_budget, slots_within)
+from dilaserve_jax.mesh.share import bytes_per_device, parse_device_ids, select_devices, share_layout
+from dilaserve_jax.models.memory import GIB, device_bytes_per_slot, slots_for_device_budget, slots_within
 from dilaserve_jax.models import test, tiny
 from dilaserve_jax.serving.executor.build import ServeConfig, build_cluster
 

@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from dilaserve_jax.serving.policy.capacity import (RequestShape, binary_partitions, layout_text, moved_fraction,
-                                            parse_layout, placements)
+from dilaserve_jax.core.layouts import binary_partitions, layout_text, moved_fraction, parse_layout, placements
+from dilaserve_jax.serving.policy.capacity import RequestShape
 from dilaserve_jax.serving.policy.controller import AtRisk, ClusterController, ControllerConfig
 from dilaserve_jax.serving.cluster.fake_runner import fake_tp_profile
 from dilaserve_jax.serving.policy.latency import LatencyModel

@@ -8,7 +8,7 @@ import pytest
 
 from serving_support import req
 from dilaserve_jax.serving.cluster.autoscale import Autoscaler
-from dilaserve_jax.serving.policy.capacity import parse_layout, placements
+from dilaserve_jax.core.layouts import parse_layout, placements
 from dilaserve_jax.serving.cluster.cluster import Cluster, ClusterBusy, InstanceInfo
 from dilaserve_jax.serving.policy.controller import ClusterController, ControllerConfig
 from dilaserve_jax.serving.cluster.engine import Engine

@@ -7,11 +7,11 @@ import textwrap
 import numpy as np
 import pytest
 
-from dilaserve_jax.serving.policy.capacity import moved_fraction
+from dilaserve_jax.core.layouts import moved_fraction, received_per_device
 from dilaserve_jax.serving.policy.controller import ControllerConfig
 from dilaserve_jax.serving.cluster.fake_runner import FakeRunner, fake_tp_profile
 from dilaserve_jax.serving.policy.latency import LatencyModel
-from dilaserve_jax.sim.cluster import ARRIVAL, CONTROL, SwitchCost, instance_infos, received_per_device
+from dilaserve_jax.sim.cluster import ARRIVAL, CONTROL, SwitchCost, instance_infos
 from dilaserve_jax.sim.report import summarize
 from dilaserve_jax.sim.setup import setup_model
 from dilaserve_jax.sim.simulator import SimConfig, Simulation

@@ -1,8 +1,9 @@
 """Executor side of the instances: weights per instance, runners and engines, warm-up, latency
 profiles, weight reload and the `InstanceBuilder` a reconfiguration uses (serving/cluster/reshape.py).
 
-Instance names say what they are: `tp4@0-3` is TP 4 on devices 0-3, `tp1@6` one device. An
-instance present in two layouts has the same name in both, and a reconfiguration keeps it.
+Instance names say what they are (`core.layouts.instance_name`): `tp4@0-3` is TP 4 on devices
+0-3, `tp1@6` one device. An instance present in two layouts has the same name in both, and a
+reconfiguration keeps it.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dilaserve_jax.core import layouts
 from dilaserve_jax.decoding.compiled import CompiledSteps
 from dilaserve_jax.decoding.state import bytes_per_slot, init_state, state_shardings
 from dilaserve_jax.mesh import Instance, Layout, kv_cache_sharding, reshard
@@ -29,8 +31,7 @@ log = logging.getLogger(__name__)
 
 
 def instance_name(inst: Instance) -> str:
-    ids = inst.device_ids
-    return f"tp{inst.tp}@{ids[0]}" if len(ids) == 1 else f"tp{inst.tp}@{ids[0]}-{ids[-1]}"
+    return layouts.instance_name(inst.device_ids)
 
 
 def instance_info(inst: Instance) -> InstanceInfo:
