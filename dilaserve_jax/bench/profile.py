@@ -1,8 +1,8 @@
 """`python -m dilaserve_jax.bench.profile --out profile.json`: measure the step-latency profile.
 
 Compiles the real refresh and reuse steps of a model for every (batch, canvas length, block) of a
-grid, times them on this machine's devices (`serving.profiling.measure_profile`) and writes the
-profile JSON that `serving.latency.LatencyModel.from_profile` and `serve --profile` read. Then fits
+grid, times them on this machine's devices (`serving.executor.profiling.measure_profile`) and writes the
+profile JSON that `serving.policy.latency.LatencyModel.from_profile` and `serve --profile` read. Then fits
 the latency model on a random part of the points, prints its error on the held-out rest per step
 kind, and the refresh / reuse time ratio at each canvas length. With `--analytic-out DIR` it also
 writes analytic roofline profiles (LLaDA-8B on A100 / H100 / H200; estimates, not measurements,

@@ -1,7 +1,7 @@
 """The systems the simulator compares, built from the serving policy objects, and their ablations.
 
 fcfs-static / edf-static: the scheduler's static policies on a fixed layout, τ fixed (0.9).
-dilaserve: least-slack scheduling with per-request τ and load control (`serving.threshold`), the
+dilaserve: least-slack scheduling with per-request τ and load control (`serving.policy.threshold`), the
 cluster controller choosing the layout (`--layout auto`) and moving at-risk requests. Ablations
 (`--ablate`, any combination) switch one mechanism off and leave the rest as they are:
 

@@ -1,6 +1,6 @@
 """What a simulated model is made of: its latency profile, quality model, prior and weight size.
 
-`llada_8b`: the analytic roofline profile of LLaDA-8B on an A100/H100/H200 (`serving.roofline`,
+`llada_8b`: the analytic roofline profile of LLaDA-8B on an A100/H100/H200 (`serving.policy.roofline`,
 labelled analytic) or a measured profile FILE; the published τ table (`quality.LLADA_8B_GSM8K`);
 bf16 weights (2 bytes × its parameters); 4,096-token context.
 `tiny`: a measured profile FILE (`python -m dilaserve_jax.bench.profile`, or the one

@@ -1,6 +1,6 @@
 """The simulator and the real threaded Engine make the same decisions on the same request stream.
 
-A deterministic fake runner (serving.fake_runner) stands in for the model in both. The threaded
+A deterministic fake runner (serving.cluster.fake_runner) stands in for the model in both. The threaded
 side runs a started Engine on a FakeClock: arrivals that fall inside a step are submitted by a step
 hook on the engine thread at the step's end (where a real engine would see them: at its next
 iteration), and when the engine is idle a driver thread moves the clock to the next arrival and

@@ -106,7 +106,7 @@ def measure_profile(runner_or_decoder, *, batches: Sequence[int], lengths: Seque
     """Time the real refresh and reuse steps over batches × lengths × blocks (pairs with block >= length
     are skipped); one ProfilePoint per (kind, batch, length, block), the median of `repeats` runs.
 
-    runner_or_decoder: a `serving.runner.JaxRunner` or a `decoding.decoder.SlotDecoder`, idle enough
+    runner_or_decoder: a `serving.executor.runner.JaxRunner` or a `decoding.decoder.SlotDecoder`, idle enough
     to hold max(batches) dummy requests in free slots. tp defaults to the runner's TP degree (else
     the decoder's device count); model_name to the model config's name.
     """
