@@ -23,9 +23,10 @@ from dilaserve_jax.decoding.compiled import ADMIT, CompiledSteps, leaf_placement
 from dilaserve_jax.decoding.shift import dual_queries
 from dilaserve_jax.decoding.slot_shards import (default_slot_devices, per_shard_counts, replicated, shard_rows,
                                                 shards_of, slot_mesh, slot_sharding)
-from dilaserve_jax.decoding.state import DecodeState, init_state, slots_for_budget
+from dilaserve_jax.decoding.state import DecodeState, init_state
 from dilaserve_jax.decoding.steps import runs_in_place
 from dilaserve_jax.models.config import ModelConfig
+from dilaserve_jax.models.memory import slots_for_budget
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""DecodeState: the device-resident canvases and K/V caches of S request slots, and its sizing.
+"""DecodeState: the device-resident canvases and K/V caches of S request slots (sized by `models.memory`).
 
 The K/V cache is a tuple with one LayerKV(k, v) per layer, each [S, L, kv_heads, head_dim], rather
 than one stacked [layers, S, L, ...] array: the model consumes a per-layer sequence directly, each
@@ -41,29 +41,8 @@ class DecodeState:
         return self.canvas.shape[1]
 
 
-SLOT_SCALAR_BYTES = 4 * 7  # prompt_len .. steps: seven 4-byte scalars per slot
-
-
 def _kv_dtype(cfg: ModelConfig):
     return jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
-
-
-def kv_bytes_per_slot(cfg: ModelConfig, length: int) -> int:
-    """K and V of every layer for one slot of canvas `length` (cache in the activation dtype)."""
-    itemsize = jnp.dtype(_kv_dtype(cfg)).itemsize
-    return 2 * cfg.n_layers * length * cfg.n_kv_heads * cfg.head_dim * itemsize
-
-
-def bytes_per_slot(cfg: ModelConfig, length: int, with_cache: bool = True) -> int:
-    """Device bytes of one slot: K/V cache plus the canvas and the per-slot scalars."""
-    return (kv_bytes_per_slot(cfg, length) if with_cache else 0) + 4 * length + SLOT_SCALAR_BYTES
-
-
-def slots_for_budget(cfg: ModelConfig, length: int, budget_bytes: int, with_cache: bool = True) -> int:
-    """How many slots of canvas `length` fit in `budget_bytes` (0 if not even one)."""
-    if budget_bytes < 0:
-        raise ValueError(f"budget must be non-negative, got {budget_bytes}")
-    return budget_bytes // bytes_per_slot(cfg, length, with_cache)
 
 
 def init_state(cfg: ModelConfig, num_slots: int, length: int, *, with_cache: bool = True,

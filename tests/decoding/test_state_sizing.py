@@ -5,8 +5,9 @@ from dilaserve_jax.core.kinds import CacheMode
 from dilaserve_jax.decoding.buckets import (StepShape, StepType, bucket_for, powers_of_two_up_to,
                                             prefix_query_buckets, shapes_for)
 from dilaserve_jax.decoding.decoder import DecoderConfig
-from dilaserve_jax.decoding.state import bytes_per_slot, init_state, kv_bytes_per_slot, slots_for_budget
+from dilaserve_jax.decoding.state import init_state
 from dilaserve_jax.models.config import llada_8b, test, tiny
+from dilaserve_jax.models.memory import bytes_per_slot, kv_bytes_per_slot, slots_for_budget
 
 MiB = 2**20
 

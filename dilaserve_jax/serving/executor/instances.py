@@ -18,8 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 from dilaserve_jax.core import layouts
 from dilaserve_jax.decoding.compiled import CompiledSteps
-from dilaserve_jax.decoding.state import bytes_per_slot, init_state, state_shardings
+from dilaserve_jax.decoding.state import init_state, state_shardings
 from dilaserve_jax.mesh import Instance, Layout, kv_cache_sharding, reshard
+from dilaserve_jax.models.memory import bytes_per_slot
 from dilaserve_jax.serving.cluster.cluster import InstanceInfo
 from dilaserve_jax.serving.cluster.weights_swap import IncompatibleWeights, NewWeights, WeightsError
 from dilaserve_jax.serving.cluster.engine import Engine
