@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from dilaserve_jax.tasks.eval import prompt_hash  # pure: the eval's JAX work is imported inside its functions
+from dilaserve_jax.tasks.prompts import prompt_hash
 
 # LLaDA-8B on GSM8K (5-shot), generation length 256, block 32, from Fast-dLLM: C. Wu et al.,
 # "Fast-dLLM: Training-free Acceleration of Diffusion LLM by Enabling KV Cache and Parallel
@@ -76,7 +76,7 @@ class Template:
     task: str
     blocks: tuple[tuple[tuple[int, ...], ...], ...]  # [τ][block] -> cumulative positions after each step
     valid: tuple[int, ...]  # [τ]
-    prompt: str = ""  # `tasks.eval.prompt_hash` of the measured prompt
+    prompt: str = ""  # `tasks.prompts.prompt_hash` of the measured prompt
 
 
 @dataclass(slots=True)

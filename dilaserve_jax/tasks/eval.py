@@ -16,12 +16,7 @@ import json
 import sys
 from dataclasses import dataclass
 
-def prompt_hash(token_ids) -> str:
-    """A short stable id of a prompt's token ids (how the simulator finds a measured prompt)."""
-    import hashlib
-
-    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
-
+from dilaserve_jax.tasks.prompts import prompt_hash
 
 DEFAULT_THRESHOLDS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5, 0.3)
 DECODERS = ("reference", "fast")
