@@ -35,7 +35,8 @@ def test_policies_benchmark_runs_end_to_end_on_the_shipped_model(capsys, clock):
         recs = out["requests"][f"{r['policy']}|{r['mode']}|{budget_label(r['budget'])}|{r['rate']:g}"]
         assert len(recs) == r["requests"]
         for rec in recs:  # per request: τ trajectory, graded validity, predicted loss
-            assert len(rec["taus"]) == len(rec["committed"])
+            assert len(rec["taus"]) == len(rec["committed_per_step"]) == rec["steps"]
+            assert rec["committed"] == sum(rec["committed_per_step"])
             assert (rec["valid"] is None) == (rec["state"] != "FINISHED_OK")
             assert rec["predicted_loss"] >= 0.0
         if r["policy"] == "dilaserve" and r["budget"] == 0.0:

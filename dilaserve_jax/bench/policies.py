@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dilaserve_jax.core.buckets import bucket_for, slot_buckets
-from dilaserve_jax.bench.policies_report import format_table, headline, plot_pareto, plot_rates, summarise
+from dilaserve_jax.bench.policies_report import format_table, headline, plot_pareto, plot_rates, run_row
 
 DEFAULT_BUDGETS = (0.0, 0.5, 1.0, 2.0, 5.0, None)  # points; None: unbounded
 CLOCKS = ("real", "modeled")
@@ -92,6 +92,24 @@ class BenchConfig:
             out += [("dilaserve", b, "floor") for b in self.budgets if b is not None and b > 0
                     and (floor_of is None or floor_of(b) < floor_of(0.0))]
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class RunTiming:
+    """Where one serving run's time went."""
+
+    steps: list  # every step: (kind, [(canvas, block) of each of its requests], start, end)
+    iterations_s: float  # inside engine iterations that did work: the steps and the host's part around them
+    wall_s: float  # the whole run
+
+    @property
+    def step_s(self) -> float:
+        return sum(t1 - t0 for _, _, t0, t1 in self.steps)
+
+    @property
+    def host_s_per_step(self) -> float:
+        """Host time per step outside the compiled calls (scheduling, admission, copies)."""
+        return (self.iterations_s - self.step_s) / max(1, len(self.steps))
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +245,9 @@ class Bench:
     # --- one serving run ---
     def serve(self, policy: str, trace: list[tuple[float, int, float]], desc: str = "", budget: float | None = None,
               mode: str = "-") -> list:
-        """Serve (arrival offset, item index, slo) on a fresh scheduler; returns the finished requests."""
+        """Serve (arrival offset, item index, slo) on a fresh scheduler; returns the finished requests.
+        Where the time went is left in `last_timing`, the instance's own quality accounting in
+        `last_quality`."""
         from tqdm.auto import tqdm
 
         from dilaserve_jax.serving.cluster.engine import Engine
@@ -245,8 +265,11 @@ class Bench:
         else:
             clock = None
             engine = Engine(self.runner, sched)
-        busy = [0.0]  # seconds inside runner steps; the rest of the loop is scheduling and admission
-        engine.add_step_hook(lambda name, plan, outs, t0, t1: busy.__setitem__(0, busy[0] + t1 - t0))
+        shapes: dict[str, tuple[int, int]] = {}  # request id -> (canvas, block)
+        steps: list[tuple[int, list, float, float]] = []
+        engine.add_step_hook(lambda name, plan, outs, t0, t1: steps.append(
+            (int(plan.kind), [shapes[r] for r in plan.request_ids], t0, t1)))
+        iterations = 0.0
         handles, reqs = [], []
         bar = tqdm(total=len(trace), desc=desc, unit="req", file=sys.stderr, leave=False, disable=not self.progress)
         t0 = engine.clock()
@@ -258,9 +281,13 @@ class Bench:
                 # arrival is the scheduled time: a request that comes in mid-step waits for the step, as it would
                 r = make_request(f"q{len(reqs)}", it.tokens, it.answer, it.block, t0 + offset, slo,
                                  tau_min=cfg.tau_min, tau_max=cfg.tau_max)
+                shapes[r.id] = (len(it.tokens) + it.answer, it.block)
                 reqs.append(r)
                 handles.append(engine.submit(r))
-            if not engine.step_once():
+            w0 = engine.clock()
+            if engine.step_once():
+                iterations += engine.clock() - w0
+            else:
                 if clock is None:
                     time.sleep(0.0005)
                 elif len(reqs) < len(trace):  # idle: jump to the next arrival
@@ -269,7 +296,7 @@ class Bench:
         while engine.step_once():  # flush the last releases: the runner's slots are free for the next run
             pass
         bar.close()
-        self.last_busy, self.last_wall = busy[0], engine.clock() - t0
+        self.last_timing = RunTiming(steps, iterations, engine.clock() - t0)
         self.last_quality = sched.quality()
         return reqs
 
@@ -307,7 +334,8 @@ class Bench:
         return out
 
     def records(self, reqs: list) -> list[dict]:
-        """Per request: item, task, outcome, τ trajectory, predicted loss, graded validity (and at the static τ)."""
+        """Per request: item, task, outcome, τ trajectory, predicted loss, graded validity (and at the
+        static τ); the fields `sim.report.summarize` reads, as the simulator's records have them."""
         from dilaserve_jax.serving.policy.request import RequestState
 
         out = []
@@ -316,9 +344,11 @@ class Bench:
             ok = r.state == RequestState.FINISHED_OK
             out.append({"id": r.id, "item": i, "task": self.items[i].problem.task, "state": r.state.name,
                         "arrival": r.arrival, "deadline": r.deadline, "finish": r.finish_time,
-                        "deadline_met": bool(r.deadline_met), "latency": r.finish_time - r.arrival if ok else None,
-                        "taus": [s.tau for s in r.steps], "committed": [s.n_committed for s in r.steps],
-                        "predicted_loss": r.predicted_loss, "valid": self.valid(r) if ok else None,
+                        "latency": r.finish_time - r.arrival if ok else None, "met": bool(r.deadline_met),
+                        "steps": len(r.steps), "tau_sum": sum(s.tau for s in r.steps),
+                        "committed": sum(s.n_committed for s in r.steps), "taus": [s.tau for s in r.steps],
+                        "committed_per_step": [s.n_committed for s in r.steps], "moves": r.moves,
+                        "predicted_loss": float(r.predicted_loss), "valid": self.valid(r) if ok else None,
                         "valid_at_static_tau": self.reference[i]})
         return out
 
@@ -356,22 +386,22 @@ def run(cfg: BenchConfig, say, progress: bool) -> tuple[list[dict], dict, dict]:
                 desc = f"{policy} {mode} {budget_label(budget)} @ {rate:g}/s, trace {t + 1}/{cfg.traces}"
                 reqs = bench.serve(policy, trace, desc, budget, mode)
                 pooled[(policy, budget, mode)] += [rec | {"trace": t} for rec in bench.records(reqs)]
-                busy[(policy, budget, mode)][0] += bench.last_busy
-                busy[(policy, budget, mode)][1] += bench.last_wall
+                busy[(policy, budget, mode)][0] += bench.last_timing.step_s
+                busy[(policy, budget, mode)][1] += bench.last_timing.wall_s
                 if bench.last_quality is not None:
                     quality[(policy, budget, mode)].append(bench.last_quality.as_dict())
         by_run = {}
         for (policy, budget, mode), recs in pooled.items():
             records[f"{policy}|{mode}|{budget_label(budget)}|{rate:g}"] = recs
-            by_run[(policy, budget, mode)] = summarise(policy, budget, mode, rate, recs, quality[(policy, budget, mode)],
-                                                       *busy[(policy, budget, mode)])
+            by_run[(policy, budget, mode)] = run_row(policy, budget, mode, rate, recs, quality[(policy, budget, mode)],
+                                                     *busy[(policy, budget, mode)], duration=cfg.duration * cfg.traces)
             by_run[(policy, budget, mode)]["host_load"] = os.getloadavg()[0]  # other jobs on the machine
         base = by_run[("fcfs-static", None, "-")]
-        base_met = [r["deadline_met"] for r in pooled[("fcfs-static", None, "-")]]
+        base_met = [r["met"] for r in pooled[("fcfs-static", None, "-")]]
         for run_key in runs:
             row = by_run[run_key] | {"load": rate / cap}
             row["slo_gain"] = row["slo_attainment"] - base["slo_attainment"]
-            diffs = np.array([int(r["deadline_met"]) - int(b) for r, b in zip(pooled[run_key], base_met)], float)
+            diffs = np.array([int(r["met"]) - int(b) for r, b in zip(pooled[run_key], base_met)], float)
             row["slo_gain_ci"] = 1.96 * float(diffs.std(ddof=1)) / np.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
             row["latency_change"] = row["mean_latency"] / base["mean_latency"] - 1
             row["accuracy_drop"] = base["accuracy"] - row["accuracy"]

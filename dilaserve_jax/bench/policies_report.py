@@ -5,34 +5,26 @@ import math
 
 import numpy as np
 
+from dilaserve_jax.sim.report import summarize
+
 
 def _label(budget) -> str:
     return "inf" if budget is None else f"{budget:g}"
 
 
-def summarise(policy: str, budget, mode: str, rate: float, recs: list[dict], quality: list[dict], busy: float,
-              wall: float) -> dict:
-    """One run's row from its request records (see `Bench.records`) and the instance's own quality
-    accounting (one snapshot per trace)."""
+def run_row(policy: str, budget, mode: str, rate: float, recs: list[dict], quality: list[dict], busy: float,
+            wall: float, *, duration: float | None = None) -> dict:
+    """One run's row: the shared summary of its request records (`sim.report.summarize`; see
+    `Bench.records`), the accuracy drop paired per prompt against the prompt alone at the static τ,
+    and the instance's own quality accounting (one snapshot per trace)."""
     done = [r for r in recs if r["state"] == "FINISHED_OK"]
-    lat = np.array([r["latency"] for r in done]) if done else np.array([np.nan])
     diffs = np.array([int(r["valid_at_static_tau"]) - int(r["valid"]) for r in done], dtype=float)
-    taus = [t for r in done for t in r["taus"]]
-    committed = [n for r in done for n in r["committed"]]
     n = len(diffs)
-    return {"policy": policy, "mode": mode, "budget": budget, "rate": rate, "requests": len(recs), "completed": len(done),
-            "rejected": sum(r["state"] == "FINISHED_REJECTED" for r in recs),
-            "slo_attainment": sum(r["deadline_met"] for r in recs) / max(1, len(recs)),
-            "mean_latency": float(np.mean(lat)), "p99_latency": float(np.percentile(lat, 99)),
-            "accuracy": sum(bool(r["valid"]) for r in done) / max(1, len(done)),
+    return {"policy": policy, "mode": mode, "budget": budget, "rate": rate, **summarize(recs, duration=duration),
             # measured loss paired per prompt: valid at the static τ alone minus valid here (points)
             "paired_drop": 100 * float(diffs.mean()) if n else float("nan"),
             "paired_drop_ci": 100 * 1.96 * float(diffs.std(ddof=1)) / math.sqrt(n) if n > 1 else float("nan"),
-            "predicted_loss": float(np.mean([r["predicted_loss"] for r in done])) if done else float("nan"),
-            "mean_tau": float(np.mean(taus)) if taus else float("nan"),
-            "tokens_per_step": sum(committed) / max(1, len(committed)),
-            "quality": quality,
-            "step_busy_s": busy, "wall_s": wall}
+            "quality": quality, "step_busy_s": busy, "wall_s": wall}
 
 
 HEAD = (f"{'policy':<12}{'mode':>9}{'budget':>7}{'req/s':>7}{'load':>6}{'n':>5}{'rej':>5}{'SLO %':>7}{'ΔSLO':>7}"
@@ -47,7 +39,7 @@ def format_row(r: dict) -> str:
     return (f"{r['policy']:<12}{r['mode']:>9}{_label(r['budget']) if r['policy'] == 'dilaserve' else '-':>7}"
             f"{r['rate']:>7.2f}{r.get('load', float('nan')):>6.2f}{r['requests']:>5}{r['rejected']:>5}"
             f"{100 * r['slo_attainment']:>7.1f}{gain}{r['mean_latency']:>8.3f}{dlat}{100 * r['accuracy']:>7.1f}{drop}"
-            f"{paired:>15}{r['predicted_loss']:>6.2f}{r['mean_tau']:>6.3f}{r['tokens_per_step']:>7.2f}")
+            f"{paired:>15}{r.get('predicted_loss_points', math.nan):>6.2f}{r['mean_tau']:>6.3f}{r['tokens_per_step']:>7.2f}")
 
 
 def format_table(rows: list[dict], header: bool = True) -> str:
@@ -83,7 +75,8 @@ def headline(rows: list[dict]) -> str:
                          f"attainment, mean latency "
                          f"{100 * d['latency_change']:+.0f}%, accuracy {100 * d['accuracy']:.1f}% (drop "
                          f"{100 * d['accuracy_drop']:+.1f} points vs fcfs-static; paired per prompt "
-                         f"{d['paired_drop']:+.2f} ± {d['paired_drop_ci']:.2f}), predicted {d['predicted_loss']:.2f}")
+                         f"{d['paired_drop']:+.2f} ± {d['paired_drop_ci']:.2f}), predicted "
+                         f"{d.get('predicted_loss_points', math.nan):.2f}")
     return "\n".join(lines)
 
 

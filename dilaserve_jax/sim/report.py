@@ -1,7 +1,7 @@
 """One report for simulated and live runs: SLO attainment, latency, accuracy, τ, rejections, moves.
 
 `summarize(records)` takes per-request records (the simulator's `RequestRecord`s, or the dicts the
-live load generator writes) and returns the same row either way; `format_table` prints rows,
+live load generator and the policies benchmark write) and returns the same row either way; `format_table` prints rows,
 `plot_rates` draws attainment, mean latency and accuracy against the request rate.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@
 labelled analytic) or a measured profile FILE; the published τ table (`quality.LLADA_8B_GSM8K`);
 bf16 weights (2 bytes × its parameters); 4,096-token context.
 `tiny`: a measured profile FILE (`python -m dilaserve_jax.bench.profile`, or the one
-`python -m dilaserve_jax.sim.validate` writes); the shipped eval rows (per-problem trajectories);
+`python -m dilaserve_jax.bench.sim_validate` writes); the shipped eval rows (per-problem trajectories);
 the shipped weights' file size; its 256-token context.
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ def setup_model(model: str, profile: str | None, *, eval_rows: str | None = None
     if model == "tiny":
         if profile is None:
             raise ValueError("--model tiny needs --profile FILE: a measured profile (python -m dilaserve_jax.bench."
-                             "profile --out FILE, or the one python -m dilaserve_jax.sim.validate writes)")
+                             "profile --out FILE, or the one python -m dilaserve_jax.bench.sim_validate writes)")
         prof = load_profile(profile, tp_degrees)
         rows_path = eval_rows or str(ASSETS / "eval.json")
         rows = json.loads(Path(rows_path).read_text())

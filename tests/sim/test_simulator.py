@@ -152,7 +152,7 @@ def test_sim_imports_and_runs_without_jax(tmp_path):
                     raise ImportError('blocked: ' + name)
         sys.meta_path.insert(0, Block())
         for m in ('cluster', 'executor', 'policies', 'quality', 'report', 'setup', 'simulator', 'workload',
-                  'validate', '__main__'):
+                  '__main__'):
             importlib.import_module('dilaserve_jax.sim.' + m)
         from dilaserve_jax.sim.__main__ import main
         assert main(['--trace', 'poisson:5', '--duration', '5', '--devices', '4', '--no-progress', '--json']) == 0

@@ -1,10 +1,11 @@
-"""`python -m dilaserve_jax.sim.validate`: the simulator against the real engine on the same requests.
+"""`python -m dilaserve_jax.bench.sim_validate`: the simulator against the real engine on the same requests.
 
-1. The real side, as `bench.policies` runs it: the tiny model on one instance (Engine + JaxRunner,
-   real clock, in-process), its step-latency profile measured on the workload's shapes, each pool
-   prompt's idle latency and the instance's capacity; then, per load level, one Poisson trace of
-   pool prompts with SLO = uniform(2, 6) × the prompt's idle latency, served by every policy.
-   Every step's duration and shapes and every engine iteration's wall time are recorded.
+1. The real side is `bench.policies`'s, its serving loop included (`Bench.serve`): the tiny model on
+   one instance (Engine + JaxRunner, real clock, in-process), its step-latency profile measured on
+   the workload's shapes, each pool prompt's idle latency and the instance's capacity; then, per
+   load level, one Poisson trace of pool prompts with SLO = uniform(2, 6) × the prompt's idle
+   latency, served by every policy. Every step's duration and shapes and the wall time of every
+   engine iteration are recorded (`Bench.last_timing`).
 2. The simulated side, fed only what the real run measured: its step times per shape (the median
    of the run's own compiled calls of each kind, padded batch, length bucket and block; the
    start-up profile where a shape never occurred; `--step-source profile` uses the start-up profile
@@ -15,7 +16,7 @@
 3. Both side by side per policy and rate, against the targets (attainment within 5 points, mean
    latency within 15%).
 
-This module imports JAX only inside `run` (the real side); `dilaserve_jax.sim` stays JAX-free.
+The real side imports JAX (inside `measure_real`); `--from` re-simulates saved real runs without it.
 """
 from __future__ import annotations
 
@@ -30,7 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
+from dilaserve_jax.core.buckets import padded
+from dilaserve_jax.serving.policy.latency import LatencyModel, Profile
+from dilaserve_jax.sim.executor import StepTimeModel
+from dilaserve_jax.sim.quality import QualityModel
 from dilaserve_jax.sim.report import summarize
+from dilaserve_jax.sim.setup import ASSETS
+from dilaserve_jax.sim.simulator import SimConfig, Simulation
+from dilaserve_jax.sim.workload import RequestSpec
 
 TARGET_POINTS = 5.0
 TARGET_LATENCY = 0.15
@@ -38,7 +46,7 @@ TARGET_LATENCY = 0.15
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m dilaserve_jax.sim.validate",
+        prog="python -m dilaserve_jax.bench.sim_validate",
         description="Replay one Poisson trace through the real in-process engine (tiny model, one instance) at "
                     "several loads and policies, then through the simulator fed that run's measured profile, step-time "
                     "spread and host overhead and the shipped eval rows; print both side by side.")
@@ -75,80 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# --- the real side -----------------------------------------------------------------------------
-def serve_measured(bench, policy: str, trace: list, progress: bool, desc: str, budget: float | None = 1.0
-                   ) -> tuple[list, dict]:
-    """`bench.policies.Bench.serve`, with every step and every engine iteration timed."""
-    from tqdm.auto import tqdm
-
-    from dilaserve_jax.serving.cluster.engine import Engine
-    from dilaserve_jax.serving.policy.request import make_request
-    from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
-    cfg = bench.cfg
-    tcfg = bench.threshold_config(budget, "adaptive")  # the shipped eval rows: speed prior and accuracy budget
-    sched = Scheduler(SchedulerConfig(cfg.slots, policy=policy, static_tau=cfg.static_tau, max_queue=10_000,
-                                      threshold=tcfg), bench.latency)
-    engine = Engine(bench.runner, sched)
-    shapes: dict[str, tuple[int, int]] = {}
-    steps: list[tuple[int, list, float, float]] = []
-    engine.add_step_hook(lambda name, plan, outs, t0, t1: steps.append(
-        (int(plan.kind), [shapes[r] for r in plan.request_ids], t0, t1)))
-    handles, reqs = [], []
-    busy_wall = 0.0
-    bar = tqdm(total=len(trace), desc=desc, unit="req", file=sys.stderr, leave=False, disable=not progress)
-    t0 = engine.clock()
-    while len(reqs) < len(trace) or not all(h.done() for h in handles):
-        now = engine.clock()
-        while len(reqs) < len(trace) and now - t0 >= trace[len(reqs)][0]:
-            offset, i, slo = trace[len(reqs)]
-            it = bench.items[i]
-            r = make_request(f"q{len(reqs)}", it.tokens, it.answer, it.block, t0 + offset, slo,
-                             tau_min=cfg.tau_min, tau_max=cfg.tau_max)
-            shapes[r.id] = (len(it.tokens) + it.answer, it.block)
-            reqs.append(r)
-            handles.append(engine.submit(r))
-        w0 = engine.clock()
-        progressed = engine.step_once()
-        if progressed:
-            busy_wall += engine.clock() - w0
-        else:
-            time.sleep(0.0005)
-        bar.update(sum(h.done() for h in handles) - bar.n)
-    while engine.step_once():
-        pass
-    bar.close()
-    step_s = sum(t1 - t0_ for _, _, t0_, t1 in steps)
-    timing = {"steps": steps, "busy_wall_s": busy_wall, "step_s": step_s,
-              "overhead_per_step_s": (busy_wall - step_s) / max(1, len(steps))}
-    return reqs, timing
-
-
-def real_records(bench, reqs) -> list[dict]:
-    from dilaserve_jax.serving.policy.request import RequestState
-    from dilaserve_jax.tasks.graders import grade
-
-    index = {it.tokens: it for it in bench.items}
-    out = []
-    for r in reqs:
-        ok = r.state == RequestState.FINISHED_OK
-        valid = bool(grade(index[r.prompt_tokens].problem, bench.model.tokenizer.decode(r.output_tokens or []))) \
-            if ok else None
-        out.append({"id": r.id, "task": index[r.prompt_tokens].problem.task, "arrival": r.arrival,
-                    "finish": r.finish_time, "state": r.state.name, "met": bool(r.deadline_met),
-                    "steps": len(r.steps), "tau_sum": sum(s.tau for s in r.steps),
-                    "committed": sum(s.n_committed for s in r.steps), "valid": valid, "moves": r.moves,
-                    "predicted_loss": float(r.predicted_loss)})
-    return out
-
-
 # --- the simulated side ------------------------------------------------------------------------
 def simulate(bench_info: dict, policy: str, trace: list, items: list, *, step_time, latency, prior, seeds: int,
              eval_rows: list | None = None) -> list:
-    from dilaserve_jax.sim.setup import ASSETS
-    from dilaserve_jax.sim.quality import QualityModel
-    from dilaserve_jax.sim.simulator import SimConfig, Simulation
-    from dilaserve_jax.sim.workload import RequestSpec
-
     rows = json.loads((ASSETS / "eval.json").read_text())
     specs = [RequestSpec(offset, items[i]["task"], tuple(items[i]["tokens"]), items[i]["answer"], items[i]["block"],
                          None, slo) for offset, i, slo in trace]
@@ -172,9 +109,6 @@ def step_time_model(measured: dict, source: str = "run"):
     bucket, block), where a step was one compiled call; the start-up profile for shapes the run never
     had. source "profile": the start-up profile alone. Either way the spread of actual over modelled
     step times is resampled as noise, and the host time per step outside the compiled calls is added."""
-    from dilaserve_jax.serving.policy.latency import LatencyModel, Profile
-    from dilaserve_jax.sim.executor import StepTimeModel, _bucket
-
     prof = Profile.from_json(measured["profile"])
     latency = LatencyModel.from_profile(prof)
     table = {(int(p.kind), p.tp, p.batch, p.canvas, p.block): p.seconds for p in prof.points}
@@ -183,10 +117,10 @@ def step_time_model(measured: dict, source: str = "run"):
     if source == "run":
         seen: dict[tuple, list[float]] = {}
         for kind, shapes, t0, t1 in steps:
-            groups = {(_bucket(c, length_b), k) for c, k in shapes}
+            groups = {(padded(c, length_b), k) for c, k in shapes}
             if len(groups) == 1:
                 (l, k), = groups
-                seen.setdefault((int(kind), 1, _bucket(len(shapes), batch_b), l, k), []).append(t1 - t0)
+                seen.setdefault((int(kind), 1, padded(len(shapes), batch_b), l, k), []).append(t1 - t0)
         table |= {key: float(np.median(v)) for key, v in seen.items()}
     elif source != "profile":
         raise ValueError(f"step-time source must be run or profile, got {source!r}")
@@ -274,10 +208,12 @@ def measure_real(args, say) -> dict:
             trace = bench.trace(rate, idle, k)
             shift = (k + rep) % len(policies)
             for p in policies[shift:] + policies[:shift]:
-                reqs, tm = serve_measured(bench, p, trace, progress, f"real {p} @ {rate:g}/s", budget)
+                # every policy with the shipped eval rows' speed prior and accuracy budget
+                reqs = bench.serve(p, trace, f"real {p} @ {rate:g}/s", budget, "adaptive")
+                timing = bench.last_timing
                 runs.append({"policy": p, "rate": rate, "load": factor, "repeat": rep, "trace": trace,
-                             "records": real_records(bench, reqs), "steps": tm["steps"],
-                             "busy_wall_s": tm["busy_wall_s"], "overhead_ms": 1e3 * tm["overhead_per_step_s"]})
+                             "records": bench.records(reqs), "steps": timing.steps,
+                             "busy_wall_s": timing.iterations_s, "overhead_ms": 1e3 * timing.host_s_per_step})
                 say(f"real {p} @ {rate:g} req/s (pass {rep + 1}): "
                     f"{summarize(runs[-1]['records'], duration=cfg.duration)['slo_attainment']:.1%} attainment")
     return {"info": info | {"real_wall_s": time.perf_counter() - t_start}, "items": items, "runs": runs,
@@ -334,8 +270,6 @@ def run(args, say) -> dict:
             d = Path(args.out)
             d.mkdir(parents=True, exist_ok=True)
             (d / "measured.json").write_text(json.dumps(measured, default=float))
-            from dilaserve_jax.serving.policy.latency import Profile
-
             Profile.from_json(measured["profile"]).save(d / "profile.json")
             say(f"wrote {d / 'measured.json'} (re-simulate with --from) and {d / 'profile.json'}")
     out = compare_with_sim(measured, args.sim_seeds, args.step_source, args.noise)
