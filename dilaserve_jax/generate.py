@@ -3,8 +3,34 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+import logging
 import time
+from dataclasses import dataclass
+
+from dilaserve_jax.core.cli import add_config_arguments, config_from_args, opt, returns_exit_status, setup_logging
+from dilaserve_jax.kernels import IMPLEMENTATIONS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateConfig:
+    prompt: str = opt(help="prompt text", positional=True)
+    model: str = opt("tiny", "preset name (tiny, test) or checkpoint directory")
+    gen_length: int = opt(64, "answer area in tokens")
+    block_length: int = opt(32, "semi-autoregressive block length")
+    threshold: float = opt(0.9, "confidence threshold tau in (0, 1]")
+    temperature: float = opt(0.0, "0 = greedy; > 0 = Gumbel sampling")
+    seed: int = opt(0, "sampling seed")
+    attention: str | None = opt(None, "attention implementation", choices=IMPLEMENTATIONS,
+                                default_text="the model's own")
+    json: bool = opt(False, "print one JSON object instead of text")
+
+    def __post_init__(self):
+        if not 0 < self.threshold <= 1:
+            raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
+        if self.gen_length < 1 or self.block_length < 1 or self.temperature < 0:
+            raise ValueError("gen_length and block_length must be positive, temperature >= 0")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -12,41 +38,35 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m dilaserve_jax.generate",
         description="Generate an answer offline with the reference (uncached) diffusion sampler and print "
                     "it with the number of denoising steps and the time taken.")
-    p.add_argument("prompt", help="prompt text")
-    p.add_argument("--model", default="tiny", help="preset name (tiny, test) or checkpoint directory (default: tiny)")
-    p.add_argument("--gen-length", type=int, default=64, help="answer area in tokens (default 64)")
-    p.add_argument("--block-length", type=int, default=32, help="semi-autoregressive block length (default 32)")
-    p.add_argument("--threshold", type=float, default=0.9, help="confidence threshold tau in (0, 1] (default 0.9)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 = Gumbel sampling")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--attention", default=None, choices=("auto", "xla", "pallas"), help="attention implementation")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    return p
+    return add_config_arguments(p, GenerateConfig)
 
 
+@returns_exit_status
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    cfg = config_from_args(GenerateConfig, parser.parse_args(argv), parser)
+    setup_logging(log)
     from dilaserve_jax.decoding.reference import generate
     from dilaserve_jax.models import load_model
 
     try:
         t0 = time.perf_counter()
-        model = load_model(args.model, attention=args.attention)
+        model = load_model(cfg.model, attention=cfg.attention)
         load_s = time.perf_counter() - t0
-        prompt = model.tokenizer.encode(args.prompt)
-        result = generate(model.graphdef, model.params, model.config, prompt, args.gen_length,
-                          args.block_length, args.threshold, args.temperature, args.seed)
+        prompt = model.tokenizer.encode(cfg.prompt)
+        result = generate(model.graphdef, model.params, model.config, prompt, cfg.gen_length,
+                          cfg.block_length, cfg.threshold, cfg.temperature, cfg.seed)
     except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        log.error(f"error: {err}")
         return 2
     text = model.tokenizer.decode(result.answer)
-    if args.json:
+    if cfg.json:
         print(json.dumps({"model": model.source, "answer": text, "tokens": result.answer, "steps": result.steps,
                           "committed_per_step": result.committed_per_step, "seconds": round(result.seconds, 4)}))
     else:
         print(text)
-        print(f"[{model.source}] {len(result.answer)} tokens in {result.steps} steps, "
-              f"{result.seconds:.3f} s (includes compilation; model load {load_s:.2f} s)", file=sys.stderr)
+        log.info(f"[{model.source}] {len(result.answer)} tokens in {result.steps} steps, "
+                 f"{result.seconds:.3f} s (includes compilation; model load {load_s:.2f} s)")
     return 0
 
 

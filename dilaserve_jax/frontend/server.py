@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from dilaserve_jax.core.cli import opt, or_none
 from dilaserve_jax.frontend import dilaserve_pb2 as pb
 from dilaserve_jax.frontend.auth import AccessInterceptor
 from dilaserve_jax.frontend.metrics import ServingMetrics
@@ -22,15 +23,20 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 @dataclass(frozen=True, slots=True)
 class ServerOptions:
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0 = any free port
-    metrics_port: int | None = 9464  # None = no metrics endpoint; 0 = any free port
-    auth_token: str | None = None
-    admin_token: str | None = None
-    weights_roots: tuple[str, ...] = ()  # besides the served model's own directory
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    grace_s: float = 30.0
+    host: str = opt("127.0.0.1", "address to listen on")
+    port: int = opt(50051, "gRPC port (0 = any free port)")
+    metrics_port: int | None = opt(9464, "Prometheus metrics port (-1 disables; 0 = any free port)",
+                                   parse=or_none(int, "-1"))  # None = no metrics endpoint
+    auth_token: str | None = opt(None, "require 'authorization: Bearer TOKEN' on every call (or set "
+                                       "DILASERVE_AUTH_TOKEN)", env="DILASERVE_AUTH_TOKEN")
+    admin_token: str | None = opt(None, "token for the admin calls ReloadWeights and Reconfigure (or set "
+                                        "DILASERVE_ADMIN_TOKEN); without it they are allowed on a loopback address "
+                                        "only", env="DILASERVE_ADMIN_TOKEN")
+    weights_roots: tuple[str, ...] = opt((), "a directory ReloadWeights may read from, besides the served model's "
+                                             "own (repeatable)", name="--weights-root", repeat=True, metavar="DIR")
+    tls_cert: str | None = opt(None, "PEM certificate chain for TLS (with --tls-key)")
+    tls_key: str | None = opt(None, "PEM private key for TLS (with --tls-cert)")
+    grace_s: float = opt(30.0, "on SIGINT/SIGTERM, seconds to let calls finish")
     max_message_bytes: int = MAX_MESSAGE_BYTES
 
     def __post_init__(self):

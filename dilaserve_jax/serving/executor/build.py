@@ -14,9 +14,11 @@ from typing import Callable
 
 import jax
 
-from dilaserve_jax.kernels import describe_attention
+from dilaserve_jax.core.kinds import CACHE_MODES
+from dilaserve_jax.core.cli import opt, or_none, words
+from dilaserve_jax.kernels import IMPLEMENTATIONS, describe_attention
 from dilaserve_jax.mesh import Layout, check_model_tp, load_into_layout
-from dilaserve_jax.mesh.share import GIB, bytes_per_device, device_bytes_per_slot, share_layout, slots_within
+from dilaserve_jax.mesh.share import GIB, bytes_per_device, device_bytes_per_slot, parse_device_ids, share_layout, slots_within
 from dilaserve_jax.models.hf import abstract_params
 from dilaserve_jax.serving.policy import limits as defaults
 from dilaserve_jax.serving.cluster.autoscale import MODES, Autoscaler
@@ -36,32 +38,52 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
-    model: str = "tiny"
-    mesh: str = "2x4"
-    policy: str = "dilaserve"
-    slots: int = defaults.DEFAULT_SLOTS  # per instance
+    model: str = opt("tiny", "preset (tiny, test, test_dream), HF directory (LLaDA or Dream), or orbax training directory")
+    mesh: str = opt("2x4", 'instances x TP degree, e.g. "2x4", "8", "8x1", "4+2+1+1"')
+    policy: str = opt("dilaserve", "scheduling policy", choices=POLICIES)
+    slots: int = opt(defaults.DEFAULT_SLOTS, "concurrent requests (decode slots) per instance")
     length_buckets: tuple[int, ...] = ()  # default: half and all of min(max_len, DEFAULT_MAX_CANVAS)
     block_buckets: tuple[int, ...] = (32,)  # smaller client blocks run padded in the 32 bucket
-    cache_mode: str = "dual"
-    attention: str = "auto"
+    cache_mode: str = opt("dual", "KV cache mode", name="--cache", aliases=("--cache-mode",), choices=CACHE_MODES)
+    attention: str = opt("auto", "attention implementation; auto = Pallas on GPU/TPU, XLA on CPU",
+                         choices=IMPLEMENTATIONS)
     param_dtype: str | None = None
-    max_queue: int = defaults.DEFAULT_MAX_QUEUE
-    default_slo_ms: float = defaults.DEFAULT_SLO_MS
-    default_max_new_tokens: int = defaults.DEFAULT_MAX_NEW_TOKENS
+    max_queue: int = opt(defaults.DEFAULT_MAX_QUEUE, "waiting requests per instance before RESOURCE_EXHAUSTED")
+    default_slo_ms: float = opt(defaults.DEFAULT_SLO_MS, "deadline for calls with neither a gRPC deadline nor slo_ms")
+    default_max_new_tokens: int = opt(defaults.DEFAULT_MAX_NEW_TOKENS,
+                                      "answer length for calls that do not set max_new_tokens (the default is the tiny "
+                                      "model's answer area for its short tasks; raise it for real checkpoints)")
     default_block_length: int = defaults.DEFAULT_BLOCK_LENGTH
-    tau_min: float = defaults.DEFAULT_TAU_MIN
-    tau_max: float = defaults.DEFAULT_TAU_MAX
-    step_timeout_s: float | None = defaults.DEFAULT_STEP_TIMEOUT_S  # watchdog; None disables
-    controller: str = "auto"  # auto | paused | manual (see serving/cluster/autoscale.py)
-    layouts: tuple[str, ...] = ()  # layouts the controller may choose; default: every partition
+    tau_min: float = opt(defaults.DEFAULT_TAU_MIN, "default quality floor")
+    tau_max: float = opt(defaults.DEFAULT_TAU_MAX, "default threshold ceiling")
+    step_timeout_s: float | None = opt(defaults.DEFAULT_STEP_TIMEOUT_S,  # None disables
+                                       "watchdog: an instance whose step runs longer than this is failed and its "
+                                       "requests move to the others (0 disables)", parse=or_none(float, "0"))
+    controller: str = opt("auto", "cluster controller: auto reshapes the layout and migrates requests as load "
+                                  "changes; paused starts it paused (Reconfigure allowed); manual runs none",
+                          choices=MODES)  # see serving/cluster/autoscale.py
+    layouts: tuple[str, ...] = opt((), "layouts the controller may choose, e.g. '1x8,2x4,4x2,8x1'", parse=words,
+                                   metavar="SPEC[,SPEC...]", default_text="every partition of the devices into "
+                                   "power-of-two TP groups the model allows")
     controller_config: ControllerConfig = field(default_factory=ControllerConfig)
-    profile: str | None = None  # latency profile JSON; default: measured on the instances at start-up
-    prior: str | None = None  # eval --json rows for the τ priors (speed, accuracy); default: eval*.json beside the weights
-    max_accuracy_drop: float | None = 1.0  # mean predicted accuracy loss bound, points vs τ_max; None: unbounded
-    budget_mode: str = "adaptive"  # "adaptive" (evidence, pooled budget) or "floor" (fixed floor)
+    profile: str | None = opt(None, "step-latency profile JSON (from `python -m dilaserve_jax.bench.profile`)",
+                              default_text="measured at start-up")
+    prior: str | None = opt(None, "eval rows (`python -m dilaserve_jax.tasks.eval --json`) for the threshold "
+                                  "controller's tokens-per-step and accuracy priors",
+                            default_text="eval*.json beside the weights")
+    max_accuracy_drop: float | None = opt(1.0, "bound on the mean predicted accuracy drop, in points vs the accuracy "
+                                               "at tau_max, over the requests each instance serves ('inf' = "
+                                               "unbounded); a request may set its own", metavar="PTS",
+                                          parse=or_none(float, "inf", "none", "unbounded"))
+    budget_mode: str = opt("adaptive", "adaptive: spend the budget per request on first-step evidence, where it buys "
+                                       "deadlines; floor: the lowest τ within budget for everyone", choices=BUDGET_MODES)
     allow_unused_devices: bool = False
-    devices: tuple[int, ...] | None = None  # device ids to serve on (a share of the visible ones); None = all
-    kv_memory_gb: float | None = None  # per-device budget (GiB) for decode slots; sizes slots, at most `slots`
+    devices: tuple[int, ...] | None = opt(None, 'serve on these visible devices only: "4-7", "4,5,6,7" or "0-1,6-7"; '
+                                                "the mesh must use exactly that many", aliases=("--device-ids",),
+                                          parse=parse_device_ids, metavar="IDS", default_text="all")
+    kv_memory_gb: float | None = opt(None, "per-device memory (GiB) for the decode slots' K/V cache and canvases: "
+                                           "each instance gets as many slots as fit, at most --slots", metavar="GIB",
+                                     default_text="--slots, whatever they take")
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -166,9 +188,8 @@ def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print, *, layou
 
     cluster = Cluster(engines, infos, layout=str(layout.spec), policy=cfg.policy, model_source=model.source,
                       tokenizer=model.tokenizer, limits=limits, loader=builder.load, warmup_fn=warm_up,
-                      step_timeout_s=cfg.step_timeout_s, family=model.config.family)
-    cluster.builder = builder
-    cluster.autoscaler = Autoscaler(cluster, None, mode=cfg.controller)
+                      step_timeout_s=cfg.step_timeout_s, family=model.config.family, builder=builder)
+    cluster.autoscaler = Autoscaler(cluster, None, mode=cfg.controller)  # its controller comes after warm-up
     return cluster
 
 

@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from dilaserve_jax.core.cli import opt
 from dilaserve_jax.serving.policy.capacity import (LayoutPrediction, RequestShape, binary_partitions, evaluate_layouts,
                                             instance_curves, layout_text, moved_fraction, parse_layout, placements)
 from dilaserve_jax.serving.policy.latency import LatencyModel
@@ -40,16 +41,17 @@ from dilaserve_jax.core.kinds import StepKind
 
 @dataclass(frozen=True, slots=True)
 class ControllerConfig:
-    interval_s: float = 2.0  # between decisions
+    interval_s: float = opt(2.0, "seconds between the controller's decisions", name="--controller-interval-s")
     window_s: float = 30.0  # arrival-rate window
     horizon_s: float = 300.0  # how long a new layout is expected to pay off
-    min_dwell_s: float = 30.0  # minimum time between two switches
+    min_dwell_s: float = opt(30.0, "minimum seconds between two layout switches")
     hysteresis: float = 0.02  # objective gain (≈ attainment points / 100) needed beyond the cost
     confirmations: int = 2  # rounds the same layout must win before a switch
     min_arrivals: int = 8  # arrivals in the window before any switch
     sample_size: int = 64  # recent request shapes kept for prediction
-    bandwidth_gbps: float = 100.0  # device-to-device bandwidth for the reshard estimate
-    compile_s: float = 10.0  # per placement never compiled (the old layout serves meanwhile)
+    bandwidth_gbps: float = opt(100.0, "device-to-device bandwidth (GB/s into each device) the controller assumes "
+                                       "for resharding", name="--interconnect-gbps")
+    compile_s: float = opt(10.0, "seconds to compile a placement never compiled (the old layout serves meanwhile)")
     tau_weight: float = 0.1
     latency_weight: float = 0.1
     target_utilisation: float = 0.85
