@@ -16,6 +16,7 @@ from dilaserve_jax.frontend import dilaserve_pb2 as pb
 from dilaserve_jax.frontend import dilaserve_pb2_grpc as pb_grpc
 from dilaserve_jax.frontend.admin import MAX_PATH_BYTES, bounded, reload_refusal, weights_roots
 from dilaserve_jax.frontend.validation import GenerateSpec, InvalidRequest, validate
+from dilaserve_jax.models.tokenizer import TokenizerMissing
 from dilaserve_jax.serving.cluster.cluster import ClusterBusy, DuplicateRequest
 from dilaserve_jax.serving.cluster.weights_swap import IncompatibleWeights
 from dilaserve_jax.serving.cluster.engine_types import EngineUnavailable
@@ -151,6 +152,9 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
         except InvalidRequest as err:
             self._count("invalid")
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except TokenizerMissing as err:  # a checkpoint without tokenizer files: token-id prompts only
+            self._count("invalid")
+            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(err))
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline has already passed")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -12,11 +13,12 @@ from flax import nnx
 from dilaserve_jax.models import config as presets
 from dilaserve_jax.models.config import ModelConfig
 from dilaserve_jax.models.files import build_from_json, read_json
-from dilaserve_jax.models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
+from dilaserve_jax.models.tokenizer import CharTokenizer, HFTokenizer, MissingTokenizer, Tokenizer, has_hf_tokenizer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 CONFIG_FILE = "model_config.json"  # written next to orbax checkpoints by the training command
 RANDOM_PRESETS = ("test", "test_dream")  # presets load_model builds with seeded random weights
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,19 +42,17 @@ def _read_model_config(directory: Path) -> tuple[ModelConfig, str]:
     return build_from_json(ModelConfig, data, directory / CONFIG_FILE), tokenizer
 
 
-def _has_hf_tokenizer(directory: Path) -> bool:
-    return (directory / "tokenizer.json").exists() or \
-        ((directory / "vocab.json").exists() and (directory / "merges.txt").exists())
-
-
 def _tokenizer_for(directory: Path | None, cfg: ModelConfig, kind: str | None = None) -> Tokenizer:
-    """tokenizer.json, or vocab.json + merges.txt (Dream ships these), else the character vocabulary."""
-    if directory is not None and kind != "char" and _has_hf_tokenizer(directory):
+    """tokenizer.json, or vocab.json + merges.txt (Dream ships these), else the character vocabulary
+    for a 128-token model, else a MissingTokenizer: the model serves token-id prompts only."""
+    if directory is not None and kind != "char" and has_hf_tokenizer(directory):
         return HFTokenizer(directory, mask_id=cfg.mask_id, eos_id=cfg.eos_id, pad_id=cfg.pad_id)
     if cfg.vocab_size == CharTokenizer.vocab_size:
         return CharTokenizer()
-    raise FileNotFoundError(f"no tokenizer.json or vocab.json + merges.txt in {directory} for a "
-                            f"{cfg.vocab_size}-token vocabulary")
+    missing = MissingTokenizer(directory if directory is not None else cfg.name, vocab_size=cfg.vocab_size,
+                               mask_id=cfg.mask_id, eos_id=cfg.eos_id, pad_id=cfg.pad_id)
+    log.warning("%s", missing.message)
+    return missing
 
 
 def load_model(source: str | Path, *, param_dtype: str | None = None, attention: str | None = None,

@@ -1,4 +1,5 @@
-"""Tokenizers: one small protocol, a character-level implementation and a `tokenizers` wrapper."""
+"""Tokenizers: one small protocol, a character-level implementation, a `tokenizers` wrapper, and
+the stand-in for a checkpoint that ships no tokenizer files (token ids only)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -55,6 +56,39 @@ class CharTokenizer:
         return "".join(out)
 
 
+TOKENIZER_FILES = "tokenizer.json, or vocab.json + merges.txt"  # what a checkpoint directory may hold
+
+
+def has_hf_tokenizer(directory: Path) -> bool:
+    return (directory / "tokenizer.json").exists() or \
+        ((directory / "vocab.json").exists() and (directory / "merges.txt").exists())
+
+
+class TokenizerMissing(FileNotFoundError):
+    """Text asked of a model whose checkpoint has no tokenizer files; token-id prompts still work."""
+
+
+class MissingTokenizer:
+    """The tokenizer of a checkpoint directory without tokenizer files. The special ids come from the
+    model's config, so token-id requests run; `encode` raises TokenizerMissing naming the files
+    looked for. `decode` gives no text (""): a reply still carries the answer's token ids."""
+
+    def __init__(self, directory: str | Path, *, vocab_size: int, mask_id: int, eos_id: int, pad_id: int):
+        self.directory = Path(directory)
+        self.vocab_size, self.mask_id, self.eos_id, self.pad_id = vocab_size, mask_id, eos_id, pad_id
+
+    @property
+    def message(self) -> str:
+        return (f"{self.directory} has no tokenizer ({TOKENIZER_FILES}): this model takes token-id prompts "
+                f"only; add the tokenizer files to the checkpoint to send text")
+
+    def encode(self, text: str) -> list[int]:
+        raise TokenizerMissing(self.message)
+
+    def decode(self, ids: Sequence[int], show_masks: bool = False) -> str:
+        return ""
+
+
 # Qwen2's pre-tokenization split (transformers' Qwen2Converter, convert_slow_tokenizer.py): the same
 # pipeline Dream's DreamTokenizer (a Qwen2Tokenizer) runs on vocab.json + merges.txt.
 QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -104,8 +138,8 @@ def load_hf_tokenizer(path: str | Path):
         return Tokenizer.from_file(str(path))
     if (path / "tokenizer.json").exists():
         return Tokenizer.from_file(str(path / "tokenizer.json"))
-    if not ((path / "vocab.json").exists() and (path / "merges.txt").exists()):
-        raise FileNotFoundError(f"{path} holds neither tokenizer.json nor vocab.json + merges.txt")
+    if not has_hf_tokenizer(path):
+        raise TokenizerMissing(f"{path} holds no tokenizer ({TOKENIZER_FILES})")
     tok = byte_level_bpe(path / "vocab.json", path / "merges.txt")
     for token_id, entry in sorted(added_tokens(path).items()):
         content = entry["content"]

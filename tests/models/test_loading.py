@@ -8,9 +8,11 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from dilaserve_jax.models import canvas_positions, forward, init_model, load_model, test
+from dilaserve_jax.decoding.reference import generate
+from dilaserve_jax.models import (MissingTokenizer, TokenizerMissing, canvas_positions, forward, init_model,
+                                  load_model, test)
 from dilaserve_jax.models.checkpoint import latest_step, restore_params, save_params
-from dilaserve_jax.models.hf import CheckpointError, abstract_params, config_from_hf, load_hf_params
+from dilaserve_jax.models.hf import CheckpointError, abstract_params, config_from_hf, load_hf_params, save_hf_checkpoint
 
 
 def _torch_layout_checkpoint(cfg, rng):
@@ -131,3 +133,24 @@ def test_orbax_round_trip_is_exact(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(FileNotFoundError, match="step 3"):
         restore_params(tmp_path / "orbax", abstract, step=3)
+
+
+def test_checkpoint_without_tokenizer_loads_for_token_ids(tmp_path):
+    """A vocabulary that is not the character one and no tokenizer files: the model loads, decodes
+    token-id prompts exactly as the weights it was written from, and refuses text naming the files."""
+    cfg = test().replace(vocab_size=160)
+    graphdef, params = nnx.split(init_model(cfg, seed=3))
+    save_hf_checkpoint(tmp_path / "ids", cfg, params)
+    loaded = load_model(tmp_path / "ids")
+    tok = loaded.tokenizer
+    assert isinstance(tok, MissingTokenizer)
+    assert (tok.vocab_size, tok.mask_id, tok.eos_id, tok.pad_id) == (160, cfg.mask_id, cfg.eos_id, cfg.pad_id)
+    prompt = [40, 41, 150, 12]  # 150: an id only this vocabulary has
+    got = generate(loaded.graphdef, loaded.params, loaded.config, prompt, 8, 4, threshold=0.9)
+    want = generate(graphdef, params, cfg, prompt, 8, 4, threshold=0.9)
+    np.testing.assert_array_equal(got.canvas, want.canvas)
+    assert got.steps == want.steps
+    with pytest.raises(TokenizerMissing, match=r"has no tokenizer \(tokenizer\.json, or vocab\.json \+ merges\.txt\)"):
+        tok.encode("hello")
+    assert isinstance(TokenizerMissing("x"), FileNotFoundError)
+    assert tok.decode(got.answer) == ""  # no text to give; the answer is its ids
