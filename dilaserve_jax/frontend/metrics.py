@@ -6,15 +6,17 @@ from typing import Sequence
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
+from dilaserve_jax.serving.cluster.protocol import ServingCluster
+
 TAU_BUCKETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0)
 TOKEN_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class _ClusterCollector:
-    """Reads queue length, running requests and the layout from the cluster at scrape time."""
+    """Reads queue length, running requests and the layout from the cluster's state at scrape time."""
 
-    def __init__(self, cluster):
+    def __init__(self, cluster: ServingCluster):
         self.cluster = cluster
 
     def collect(self):
@@ -23,10 +25,10 @@ class _ClusterCollector:
         running = GaugeMetricFamily("dilaserve_running_requests", "Requests holding a slot", labels=["instance"])
         up = GaugeMetricFamily("dilaserve_instance_up", "1 while the instance serves, 0 once failed or stopped",
                                labels=["instance"])
-        for inst in state["instances"]:
-            queue.add_metric([inst["name"]], inst["waiting"])
-            running.add_metric([inst["name"]], inst["running"])
-            up.add_metric([inst["name"]], 1.0 if inst["state"] in ("running", "created") else 0.0)
+        for inst in state.instances:
+            queue.add_metric([inst.name], inst.waiting)
+            running.add_metric([inst.name], inst.running)
+            up.add_metric([inst.name], 1.0 if inst.up else 0.0)
         budget = GaugeMetricFamily("dilaserve_accuracy_budget_points", "Max mean predicted accuracy drop (points "
                                    "vs tau_max); absent when unbounded", labels=["instance"])
         loss_mean = GaugeMetricFamily("dilaserve_predicted_loss_points_mean", "Mean predicted accuracy loss over "
@@ -34,44 +36,44 @@ class _ClusterCollector:
         loss_spent = GaugeMetricFamily("dilaserve_predicted_loss_points_spent", "Total predicted accuracy loss, "
                                        "served and running requests", labels=["instance"])
         mean_tau = GaugeMetricFamily("dilaserve_mean_tau", "Mean threshold over every step run", labels=["instance"])
-        for inst in state["instances"]:
-            q = inst.get("quality")
+        for inst in state.instances:
+            q = inst.quality
             if q is None:
                 continue
-            if q["budget"] is not None:
-                budget.add_metric([inst["name"]], q["budget"])
-            loss_mean.add_metric([inst["name"]], q["predicted_loss_mean"])
-            loss_spent.add_metric([inst["name"]], q["predicted_loss_spent"])
-            if q["mean_tau"] is not None:
-                mean_tau.add_metric([inst["name"]], q["mean_tau"])
+            if q.budget is not None:
+                budget.add_metric([inst.name], q.budget)
+            loss_mean.add_metric([inst.name], q.predicted_loss_mean)
+            loss_spent.add_metric([inst.name], q.predicted_loss_spent)
+            if q.mean_tau is not None:
+                mean_tau.add_metric([inst.name], q.mean_tau)
         yield from (budget, loss_mean, loss_spent, mean_tau)
         layout = InfoMetricFamily("dilaserve_layout", "Current device layout and policy")
-        layout.add_metric([], {"layout": state["layout"], "policy": state["policy"], "model": state["model"]})
+        layout.add_metric([], {"layout": state.layout, "policy": state.policy, "model": state.model})
         per_tp = GaugeMetricFamily("dilaserve_layout_instances", "Instances of the current layout by TP degree",
                                    labels=["tp"])
         counts: dict[int, int] = {}
-        for inst in state["instances"]:
-            counts[inst["tp_degree"]] = counts.get(inst["tp_degree"], 0) + 1
+        for inst in state.instances:
+            counts[inst.tp_degree] = counts.get(inst.tp_degree, 0) + 1
         for tp, n in sorted(counts.items()):
             per_tp.add_metric([str(tp)], n)
         yield from (queue, running, up, layout, per_tp)
         updates = CounterMetricFamily("dilaserve_weight_updates", "Weight swaps by origin (reload call, in-memory "
                                       "push, checkpoint watcher)", labels=["origin"])
-        for origin, count in state.get("weight_updates", {}).items():
+        for origin, count in state.weight_updates.items():
             updates.add_metric([origin], count)
         yield updates
-        watch = state.get("checkpoint_watch")
+        watch = state.checkpoint_watch
         if watch is not None:
             yield GaugeMetricFamily("dilaserve_checkpoint_watch_step", "Newest training step the checkpoint "
-                                    "watcher swapped in (-1 before any)", value=watch["last_step"])
+                                    "watcher swapped in (-1 before any)", value=watch.last_step)
             yield CounterMetricFamily("dilaserve_checkpoint_watch_reloads", "Training steps the checkpoint "
-                                      "watcher swapped in", value=watch["reloads"])
+                                      "watcher swapped in", value=watch.reloads)
             yield CounterMetricFamily("dilaserve_checkpoint_watch_skipped", "Finalized training steps the "
-                                      "checkpoint watcher could not read and skipped", value=watch["skipped"])
+                                      "checkpoint watcher could not read and skipped", value=watch.skipped)
 
 
 class ServingMetrics:
-    def __init__(self, cluster=None, registry: CollectorRegistry | None = None):
+    def __init__(self, cluster: ServingCluster | None = None, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter("dilaserve_requests", "Finished calls by outcome", ["outcome"], registry=r)

@@ -7,6 +7,7 @@ its request, which frees its slot at the next step. Every error detail is bounde
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Iterable
 
@@ -17,9 +18,11 @@ from dilaserve_jax.frontend import dilaserve_pb2_grpc as pb_grpc
 from dilaserve_jax.frontend.admin import MAX_PATH_BYTES, bounded, reload_refusal, weights_roots
 from dilaserve_jax.frontend.validation import GenerateSpec, InvalidRequest, validate
 from dilaserve_jax.models.tokenizer import TokenizerMissing
-from dilaserve_jax.serving.cluster.cluster import ClusterBusy, DuplicateRequest
+from dilaserve_jax.serving.cluster.cluster import Cluster, ClusterBusy, DuplicateRequest
+from dilaserve_jax.serving.cluster.state import CheckpointWatchState
 from dilaserve_jax.serving.cluster.weights_swap import IncompatibleWeights
 from dilaserve_jax.serving.cluster.engine_types import EngineUnavailable
+from dilaserve_jax.serving.policy.quality import QualitySnapshot
 from dilaserve_jax.serving.policy.request import Request, RequestState
 from dilaserve_jax.serving.policy.router import NoInstanceAvailable
 
@@ -29,7 +32,7 @@ UNAVAILABLE_ERRORS = (EngineUnavailable, NoInstanceAvailable)
 
 
 class DiLaServeService(pb_grpc.DiLaServeServicer):
-    def __init__(self, cluster, metrics=None, weights_roots_extra: Iterable[str] = ()):
+    def __init__(self, cluster: Cluster, metrics=None, weights_roots_extra: Iterable[str] = ()):
         self.cluster = cluster
         self.metrics = metrics
         # fixed at start-up: the served model's directory then, plus the given ones
@@ -89,9 +92,9 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
         await _check_parsed(request, context)
         if not request.mesh:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "mesh: required")
-        if getattr(self.cluster, "builder", None) is None:
+        if self.cluster.builder is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server cannot reshape its layout at run time")
-        scaler = getattr(self.cluster, "autoscaler", None)
+        scaler = self.cluster.autoscaler
         if scaler is not None and not scaler.manual_allowed:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "the controller is in auto mode; pause it first (SetControllerMode 'paused')")
@@ -106,7 +109,7 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
 
     async def SetControllerMode(self, request, context):
         await _check_parsed(request, context)
-        scaler = getattr(self.cluster, "autoscaler", None)
+        scaler = self.cluster.autoscaler
         if scaler is None or scaler.mode == "manual":
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this server runs without a controller (serve --controller manual)")
@@ -130,16 +133,16 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
     # --- internals ---
     def _cluster_state(self) -> pb.ClusterState:
         state = self.cluster.state()
-        instances = [pb.InstanceState(**{**inst, "error": bounded(inst["error"], 512),
-                                         "quality": _quality(inst["quality"])}) for inst in state["instances"]]
+        instances = [pb.InstanceState(**{**_fields(inst), "error": bounded(inst.error, 512),
+                                         "quality": _quality(inst.quality)}) for inst in state.instances]
         return pb.ClusterState(
-            layout=state["layout"], policy=state["policy"], model=state["model"], family=state["family"],
-            serving=not self.draining and any(i.state in ("running", "created") for i in instances),
-            instances=instances, failures={k: bounded(v, 512) for k, v in state["failures"].items()},
-            migrations=state["migrations"], reloads=state["reloads"], in_flight=state["in_flight"],
-            controller_mode=state.get("controller_mode", ""), decisions=state.get("decisions", []),
-            reconfigurations=state.get("reconfigurations", []), recent_migrations=state.get("recent_migrations", []),
-            weight_updates=state.get("weight_updates", {}), checkpoint_watch=_watch_state(state))
+            layout=state.layout, policy=state.policy, model=state.model, family=state.family,
+            serving=not self.draining and any(i.up for i in state.instances),
+            instances=instances, failures={k: bounded(v, 512) for k, v in state.failures.items()},
+            migrations=state.migrations, reloads=state.reloads, in_flight=state.in_flight,
+            controller_mode=state.controller.mode, decisions=state.controller.decisions,
+            reconfigurations=state.reconfigurations, recent_migrations=state.controller.recent_migrations,
+            weight_updates=state.weight_updates, checkpoint_watch=_watch_state(state.checkpoint_watch))
 
     async def _run(self, request, context, stream: bool):
         await _check_parsed(request, context)
@@ -283,11 +286,10 @@ def render_canvas(tok, answer: list[int]) -> str:
     return "".join(out)
 
 
-def _watch_state(state: dict) -> pb.CheckpointWatch | None:
-    watch = state.get("checkpoint_watch")
+def _watch_state(watch: CheckpointWatchState | None) -> pb.CheckpointWatch | None:
     if watch is None:
         return None
-    return pb.CheckpointWatch(**{**watch, "last_error": bounded(watch["last_error"], 512)})
+    return pb.CheckpointWatch(**{**_fields(watch), "last_error": bounded(watch.last_error, 512)})
 
 
 async def _abort(context, code: grpc.StatusCode, message: str) -> None:
@@ -306,8 +308,13 @@ def _apply(answer: list[int], progress, step: int, total: int) -> tuple[int, int
     return step + 1, progress.committed
 
 
-def _quality(q: dict | None) -> pb.QualityState | None:
+def _quality(q: QualitySnapshot | None) -> pb.QualityState | None:
     """An instance's budget accounting (unbounded budget / allowance: fields left unset)."""
     if q is None:
         return None
-    return pb.QualityState(**{k: v for k, v in q.items() if v is not None})
+    return pb.QualityState(**{k: v for k, v in q.as_dict().items() if v is not None})
+
+
+def _fields(state) -> dict:
+    """A state dataclass's fields, one level deep (the proto message of the same shape takes them)."""
+    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}

@@ -1,9 +1,10 @@
 """The simulated cluster: instances on virtual clocks, placement, and a non-blocking actuator.
 
-It offers what `serving.cluster.autoscale.Autoscaler.round` uses of a real `Cluster` (engines with
-`snapshot()`, infos, `engine(name)`, a builder's compiled placements, `reconfigure`, `migrate`,
-arrival observers), so the control round runs unchanged on virtual time. Differences from the
-threaded cluster, all forced by having no threads:
+It implements the `ServingCluster` protocol (serving/cluster/protocol.py) as the threaded
+`Cluster` does — snapshots, infos, `engine(name)`, compiled placements, `submit`, `abort`,
+`reconfigure`, `migrate`, arrival observers, `state()` — so the control round
+(`Autoscaler.round`) runs unchanged on virtual time. Differences from the threaded cluster, all
+forced by having no threads:
 
 - An instance's engine is stepped by the simulator (`Engine.step_once`), which runs a whole step at
   once and moves the instance's clock to its end. While the step is "in flight" the rest of the
@@ -16,6 +17,7 @@ threaded cluster, all forced by having no threads:
   its requests at its next step boundary and they are re-admitted where the router places them
   (their next step is a refresh, charged like any step).
 - `migrate` posts the hand-over and returns; the request moves at its source's next step boundary.
+- `submit` places a request at the cluster's current virtual time (`now`).
 """
 from __future__ import annotations
 
@@ -28,9 +30,13 @@ from typing import Callable, Sequence
 
 from dilaserve_jax.core.layouts import (instance_name, layout_text, moved_fraction, parse_layout, placements,
                                         received_per_device)
-from dilaserve_jax.serving.cluster.cluster import InstanceInfo
+from dilaserve_jax.serving.cluster.admin import ClusterBusy
+from dilaserve_jax.serving.cluster.autoscale import Autoscaler
+from dilaserve_jax.serving.cluster.builder import InstanceInfo
 from dilaserve_jax.serving.cluster.engine import Engine
-from dilaserve_jax.serving.cluster.engine_types import Handoff
+from dilaserve_jax.serving.cluster.engine_types import Handoff, ProgressFn, RequestHandle
+from dilaserve_jax.serving.cluster.protocol import ArrivalObserver
+from dilaserve_jax.serving.cluster.state import NO_CONTROLLER, ClusterState, InstanceState
 from dilaserve_jax.serving.policy.snapshots import EngineSnapshot, own_time
 from dilaserve_jax.serving.policy.request import Request
 from dilaserve_jax.serving.policy.router import NoInstanceAvailable, Router
@@ -124,8 +130,9 @@ class SimCluster:
     """Instances of one layout at a time, a router, the request table, and the actuator."""
 
     def __init__(self, num_devices: int, layout: str, make_instance: Callable[[InstanceInfo, float], SimInstance],
-                 cost: SwitchCost | None = None) -> None:
-        self.num_devices = num_devices
+                 cost: SwitchCost | None = None, *, policy: str = "", model: str = "") -> None:
+        """`policy`, `model`: labels for `state()`."""
+        self.num_devices, self.policy, self.model = num_devices, policy, model
         self.make_instance = make_instance
         self.cost = cost or SwitchCost(param_bytes=0.0)
         self.router = Router()
@@ -137,12 +144,12 @@ class SimCluster:
         self.retiring: dict[str, SimInstance] = {}
         self.ready = True
         self.switching = False
-        self.controller = None  # the ClusterController, told when a switch completes
+        self.autoscaler: Autoscaler | None = None  # its controller is told when a switch completes
         self.reconfigurations: list[SwitchReport] = []
         self.migrations: dict[str, int] = {}
         self.where: dict[str, str] = {}  # request id -> instance
         self.now = 0.0
-        self._observers: list[Callable[[Request, float], None]] = []
+        self._observers: list[ArrivalObserver] = []
         self._events: list = []
         self._seq = itertools.count()
         self._actions: list[Callable[[], None]] = []  # work for after the current engine iteration
@@ -194,9 +201,15 @@ class SimCluster:
         while self._actions:
             self._actions.pop(0)()
 
-    # --- the cluster interface the control round uses ---
-    def add_arrival_observer(self, observer: Callable[[Request, float], None]) -> None:
+    # --- the ServingCluster protocol ---
+    def add_arrival_observer(self, observer: ArrivalObserver) -> None:
         self._observers.append(observer)
+
+    def snapshots(self) -> list[EngineSnapshot]:
+        return [e.snapshot() for e in self.engines]
+
+    def compiled_placements(self) -> frozenset[tuple[int, int]]:
+        return self.builder.compiled_placements()
 
     def engine(self, name: str) -> SimInstance:
         for e in self.engines:
@@ -209,15 +222,38 @@ class SimCluster:
     def instance_of(self, request_id: str) -> str | None:
         return self.where.get(request_id)
 
-    def submit(self, req: Request, future: Future, t: float) -> str:
-        """Place a new request (the router's choice) at time t."""
-        name = self._place(req, future, None, t)
+    def submit(self, request: Request, on_progress: ProgressFn | None = None,
+               instance: str | None = None) -> RequestHandle:
+        """Place a new request now (on `instance` while it is healthy, else the router's choice)."""
+        t, rid, fut = self.now, request.id, Future()
+        self._place(request, fut, None, t, prefer=instance, on_progress=on_progress)
+        fut.add_done_callback(lambda _f: self.where.pop(rid, None))
         for observe in self._observers:
-            observe(req, t)
-        return name
+            observe(request, t)
+        return RequestHandle(rid, fut, lambda: self.where.get(rid, ""), lambda: self.abort(rid))
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its instance applies it at its next iteration."""
+        name = self.where.get(request_id)
+        if name is None:
+            return False
+        inst = self.engine(name)
+        inst.engine.abort(request_id)
+        self.wake(inst, self.now)
+        return True
+
+    def state(self) -> ClusterState:
+        instances = tuple(InstanceState.of(e.info, e.snapshot()) for e in self.engines)
+        scaler = self.autoscaler
+        failures = {i.name: i.error for i in instances if i.state == "failed"}
+        return ClusterState(self.layout, self.policy, self.model, "", instances, failures, dict(self.migrations),
+                            in_flight=len(self.where),
+                            controller=scaler.state() if scaler is not None else NO_CONTROLLER,
+                            reconfigurations=tuple(str(r) for r in self.reconfigurations[-8:]))
 
     def _place(self, req: Request, future: Future, ratio: float | None, t: float,
-               exclude: frozenset[str] = frozenset(), prefer: str | None = None) -> str:
+               exclude: frozenset[str] = frozenset(), prefer: str | None = None,
+               on_progress: ProgressFn | None = None) -> str:
         healthy = [e for e in self.engines if e.healthy and e.name not in exclude]
         if not healthy:
             raise NoInstanceAvailable("no instance is serving")
@@ -229,7 +265,7 @@ class SimCluster:
             inst = next(e for e in healthy if e.name == placed.instance)
             own = placed.own_seconds
         inst.pending_work.append(own)
-        inst.engine.submit(req, future=future, speed_ratio=ratio, own_seconds=own)
+        inst.engine.submit(req, on_progress, future=future, speed_ratio=ratio, own_seconds=own)
         self.where[req.id] = inst.name
         self.wake(inst, t)
         return inst.name
@@ -239,7 +275,7 @@ class SimCluster:
         for h in handoffs:
             if h.request.finished:
                 continue
-            self._place(h.request, h.future, h.speed_ratio, t, exclude, prefer)
+            self._place(h.request, h.future, h.speed_ratio, t, exclude, prefer, h.on_progress)
         if handoffs:
             self.migrations[reason] = self.migrations.get(reason, 0) + len(handoffs)
 
@@ -267,7 +303,7 @@ class SimCluster:
         """Start a switch to layout `spec` (see module doc); returns its report, finished later."""
         infos = instance_infos(spec, self.num_devices)
         if self.switching:
-            raise RuntimeError("a reconfiguration is already in progress")
+            raise ClusterBusy("a reconfiguration is already in progress")
         current = {e.name: e for e in self.engines}
         keep = tuple(i.name for i in infos if i.name in current and current[i.name].healthy)
         add = [i for i in infos if i.name not in keep]
@@ -302,8 +338,9 @@ class SimCluster:
         self.switching = False
         report.finished = t
         self.reconfigurations.append(report)
-        if self.controller is not None:
-            self.controller.switched(t)
+        ctl = self.autoscaler.controller if self.autoscaler is not None else None
+        if ctl is not None:
+            ctl.switched(t)
 
     def _retire(self, inst: SimInstance, handoffs: list[Handoff], t: float, removed: frozenset[str],
                 report: SwitchReport) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 from dilaserve_jax.core.layouts import binary_partitions, layout_text, parse_layout
 from dilaserve_jax.serving.cluster.autoscale import Autoscaler
 from dilaserve_jax.serving.policy.capacity import RequestShape
-from dilaserve_jax.serving.cluster.cluster import InstanceInfo
+from dilaserve_jax.serving.cluster.builder import InstanceInfo
 from dilaserve_jax.serving.policy.controller import ClusterController, ControllerConfig
 from dilaserve_jax.serving.cluster.engine import Engine
 from dilaserve_jax.serving.cluster.engine_types import RequestResult
@@ -208,14 +208,14 @@ class Simulation:
         t_wall = time.perf_counter()
         start = self.initial_layout()
         cost = SwitchCost(self.param_bytes, cfg.controller.bandwidth_gbps, cfg.controller.compile_s)
-        cluster = SimCluster(cfg.devices, start, self.make_instance, cost)
+        cluster = SimCluster(cfg.devices, start, self.make_instance, cost, policy=cfg.policy,
+                             model=self.quality.name if self.quality is not None else "")
         self.cluster = cluster
         scaler = None
         if cfg.policy == "dilaserve":
             fixed = "reconfig" in cfg.ablate or cfg.layout != "auto"
             ctl = self._controller([parse_layout(start)] if fixed else self._candidates())
-            cluster.controller = ctl
-            scaler = Autoscaler(cluster, ctl, mode="manual", clock=lambda: cluster.now)
+            scaler = cluster.autoscaler = Autoscaler(cluster, ctl, mode="manual", clock=lambda: cluster.now)
             cluster.push(cfg.controller.interval_s, CONTROL, None)
         layouts = [(0.0, cluster.layout)]
         n = len(self.specs)
@@ -226,7 +226,7 @@ class Simulation:
         outstanding = [0]
 
         def arrival(t, _, i):
-            self._arrive(cluster, i, t, outstanding, done)
+            self._arrive(cluster, i, outstanding, done)
             if i + 1 < n:
                 cluster.push(self.specs[i + 1].arrival, ARRIVAL, None, i + 1)
 
@@ -245,7 +245,7 @@ class Simulation:
                 bar.set_postfix_str(f"t={ev[0]:.0f}s {cluster.layout}", refresh=False)
         if bar is not None:
             bar.close()
-        ctl = cluster.controller
+        ctl = scaler.controller if scaler is not None else None
         q = self.quality
         return SimResult(cfg, self.records, time.perf_counter() - t_wall, cluster.now, cluster.reconfigurations,
                          dict(cluster.migrations), layouts, len(ctl.history) if ctl is not None else 0,
@@ -257,24 +257,22 @@ class Simulation:
         return Request(f"r{i}", s.prompt_tokens, s.answer_length, s.block_length, s.arrival, s.arrival + s.slo,
                        tau_min=self.cfg.tau_min, tau_max=self.cfg.tau_max, seed=i + 1)
 
-    def _arrive(self, cluster: SimCluster, i: int, t: float, outstanding: list[int], done: list[int]) -> None:
+    def _arrive(self, cluster: SimCluster, i: int, outstanding: list[int], done: list[int]) -> None:
+        """The i-th request arrives, at the cluster's virtual time."""
         s = self.specs[i]
         key = i + 1
         if self.quality is not None:
             self.plans[key] = make_plan(self.quality, key, s.task, s.answer_length, s.block_length, s.finish_tokens,
                                         s.prompt_tokens)
         req = self.make_request(i)
-        fut: Future = Future()
         outstanding[0] += 1
 
         def finished(f: Future, req=req, key=key, task=s.task) -> None:
             outstanding[0] -= 1
             done[0] += 1
             self._record(req, key, task, f)
-            cluster.where.pop(req.id, None)
 
-        fut.add_done_callback(finished)
-        cluster.submit(req, fut, t)
+        cluster.submit(req).future.add_done_callback(finished)
 
     def _record(self, req: Request, key: int, task: str, fut: Future) -> None:
         plan = self.plans.pop(key, None)

@@ -5,7 +5,8 @@ Modes: `auto` (a thread calls `round()` every `interval_s`), `paused` (the threa
 driven by hand (tests, the simulator): it feeds the controller the instances' published τ ->
 tokens/step estimate and in-flight deadlines, applies a layout switch through
 `Cluster.reconfigure`, and moves at-risk requests to instances with spare capacity through
-`Cluster.migrate`. Everything it reads is an immutable engine snapshot.
+`Cluster.migrate`. Everything it reads is an immutable engine snapshot. It works over the
+`ServingCluster` protocol (serving/cluster/protocol.py), so the simulator's cluster runs it too.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import threading
 import time
 from typing import Callable
 
+from dilaserve_jax.serving.cluster.protocol import ServingCluster
+from dilaserve_jax.serving.cluster.state import ControllerState
 from dilaserve_jax.serving.policy.capacity import RequestShape
 from dilaserve_jax.serving.policy.controller import AtRisk, ClusterController, Decision, Migration
 from dilaserve_jax.serving.policy.request import Request
@@ -23,7 +26,7 @@ MODES = ("auto", "paused", "manual")
 
 
 class Autoscaler:
-    def __init__(self, cluster, controller: ClusterController | None, mode: str = "auto",
+    def __init__(self, cluster: ServingCluster, controller: ClusterController | None, mode: str = "auto",
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`controller` may come later (`set_controller`), e.g. once its latency models are measured."""
         if mode not in MODES:
@@ -53,6 +56,12 @@ class Autoscaler:
     @property
     def manual_allowed(self) -> bool:
         return self._mode != "auto"
+
+    def state(self) -> ControllerState:
+        """Its mode, latest decisions and the requests it moved lately (for the cluster state)."""
+        decisions = list(self.controller.history)[-8:] if self.controller is not None else []
+        moved = [f"{m.request_id}: {m.source} -> {m.target} ({m.reason})" for _, m in self.migrations[-8:]]
+        return ControllerState(self._mode, tuple(map(str, decisions)), tuple(moved))
 
     def _observe(self, req: Request, now: float) -> None:
         if self.controller is None:
@@ -87,15 +96,14 @@ class Autoscaler:
         cluster, ctl = self.cluster, self.controller
         if ctl is None:
             return None
-        snaps = [e.snapshot() for e in cluster.engines]
+        snaps = cluster.snapshots()
         est = next((s.load.estimator for s in snaps if s.healthy and s.load.estimator is not None), None)
         if est is not None:
             ctl.set_tokens_per_step(est.taus, est.rates)
         slack = [d - now for s in snaps for d in s.load.deadlines]
         current = tuple(i.tp_degree for i in cluster.infos if cluster.engine(i.name).healthy) or \
             tuple(i.tp_degree for i in cluster.infos)
-        compiled = cluster.builder.compiled_placements() if cluster.builder is not None else frozenset()
-        decision = ctl.decide(now, current, in_flight_slack=slack, compiled=compiled)
+        decision = ctl.decide(now, current, in_flight_slack=slack, compiled=cluster.compiled_placements())
         if decision.switch:
             log.info("controller: %s", decision)
             report = cluster.reconfigure(decision.chosen, reason="controller")

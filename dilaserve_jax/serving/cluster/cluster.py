@@ -1,10 +1,11 @@
 """A cluster: the engines of one layout, a router, and what the frontend needs from them.
 
-The cluster owns the table of requests in flight (ids are unique across instances) and moves
-requests between engines: when an instance fails, the requests it held — running and waiting —
-are re-queued on the survivors from their last committed canvas (their next step is a refresh);
-only when no instance survives do they fail, with `NoInstanceAvailable` naming the faults. A
-watchdog thread fails an instance whose runner call outlives `step_timeout_s`.
+The cluster owns the table of requests in flight (serving/cluster/request_table.py; ids are
+unique across instances) and moves requests between engines: when an instance fails, the
+requests it held — running and waiting — are re-queued on the survivors from their last
+committed canvas (their next step is a refresh); only when no instance survives do they fail,
+with `NoInstanceAvailable` naming the faults. A watchdog thread fails an instance whose runner
+call outlives `step_timeout_s`.
 
 Administrative operations — a reshape (serving/cluster/reshape.py) or a weight swap
 (serving/cluster/weights_swap.py) — run one at a time: each holds the cluster through
@@ -19,41 +20,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from dilaserve_jax.serving.cluster.admin import ClusterAdmin, ClusterBusy
 from dilaserve_jax.serving.cluster.autoscale import Autoscaler
 from dilaserve_jax.serving.cluster.builder import InstanceBuilder, InstanceInfo
 from dilaserve_jax.serving.cluster.engine import Engine
-from dilaserve_jax.serving.cluster.engine_types import EngineUnavailable, Handoff, ProgressFn, RequestHandle, RequestResult
+from dilaserve_jax.serving.cluster.engine_types import EngineUnavailable, Handoff, ProgressFn, RequestHandle
 from dilaserve_jax.serving.cluster.protocol import ArrivalObserver
+from dilaserve_jax.serving.cluster.request_table import DuplicateRequest, RequestTable
 from dilaserve_jax.serving.cluster.reshape import ReshapeReport, migrate as move_request, reconfigure as reshape
 from dilaserve_jax.serving.cluster.state import NO_CONTROLLER, CheckpointWatchState, ClusterState, InstanceState
 from dilaserve_jax.serving.cluster.weights_swap import NewWeights, ReloadReport, swap_weights
 from dilaserve_jax.serving.policy.limits import DEFAULT_STEP_TIMEOUT_S
-from dilaserve_jax.serving.policy.request import Request, RequestState
-from dilaserve_jax.serving.policy.router import NoInstanceAvailable, Router
+from dilaserve_jax.serving.policy.request import Request
+from dilaserve_jax.serving.policy.router import Router
 from dilaserve_jax.serving.policy.snapshots import EngineSnapshot
 
 __all__ = ["Cluster", "ClusterBusy", "DuplicateRequest", "InstanceInfo"]
 log = logging.getLogger(__name__)
 
 Listener = Callable[[str, dict], None]  # (event, details): "failure", "migration", "reload", "reconfigure"
-
-
-class DuplicateRequest(ValueError):
-    """A request with this id is already in flight somewhere in the cluster."""
-
-
-@dataclass(slots=True)
-class _Tracked:
-    request: Request
-    future: Future
-    on_progress: ProgressFn | None
-    instance: str
 
 
 class Cluster:
@@ -78,15 +66,11 @@ class Cluster:
         self.tokenizer, self.limits, self.clock = tokenizer, limits, clock
         self.step_timeout_s = step_timeout_s
         self._loader, self._warmup_fn = loader, warmup_fn
-        self._lock = threading.Lock()  # the in-flight table and placement
         self._admin = threading.Lock()  # one reload / reconfiguration at a time (`exclusive`)
-        self._inflight: dict[str, _Tracked] = {}
-        self._abort_wanted: set[str] = set()
+        self._requests = RequestTable(self.router, clock, lambda: self.engines, self.engine)
         self._listeners: list[Listener] = []
         self._observers: list[ArrivalObserver] = []
         self._step_hooks: list = []
-        self._held: list[tuple[_Tracked, Handoff]] = []  # placed once a reconfiguration brings instances up
-        self.switching = False
         self.builder = builder
         self.autoscaler: Autoscaler | None = None  # runs the cluster controller; set by whoever builds the cluster
         self.checkpoint_watch: Callable[[], CheckpointWatchState] | None = None  # a watcher's progress, if any
@@ -170,43 +154,20 @@ class Cluster:
         """Place a request (on `instance` while it is healthy, else where the router says)."""
         if not self.ready:
             raise EngineUnavailable("server is still compiling and warming up")
-        fut: Future = Future()
-        with self._lock:
-            if request.id in self._inflight:
-                raise DuplicateRequest(f"request id {request.id!r} is already in flight")
-            tracked = _Tracked(request, fut, on_progress, "")
-            self._inflight[request.id] = tracked
-            try:
-                self._place_locked(tracked, Handoff(request, fut, on_progress), prefer=instance)
-            except BaseException:
-                del self._inflight[request.id]
-                raise
-        fut.add_done_callback(lambda _f, rid=request.id: self._forget(rid))
+        handle = self._requests.add(request, on_progress, instance)
         now = self.clock()
         for observe in self._observers:
             observe(request, now)
-        return RequestHandle(request.id, fut, lambda: tracked.instance, lambda: self.abort(request.id))
+        return handle
 
     def abort(self, request_id: str) -> bool:
-        with self._lock:
-            tracked = self._inflight.get(request_id)
-            if tracked is None:
-                return False
-            self._abort_wanted.add(request_id)
-            if not tracked.instance:  # held during a reconfiguration: dropped when placed
-                return True
-            engine = self.engine(tracked.instance)
-        engine.abort(request_id)
-        return True
+        return self._requests.abort(request_id)
 
     def instance_of(self, request_id: str) -> str | None:
-        with self._lock:
-            t = self._inflight.get(request_id)
-        return t.instance if t else None
+        return self._requests.instance_of(request_id)
 
     def in_flight(self) -> int:
-        with self._lock:
-            return len(self._inflight)
+        return len(self._requests)
 
     def engine(self, name: str) -> Engine:
         for e in self.engines:
@@ -231,72 +192,10 @@ class Cluster:
                 prefer: str | None = None) -> None:
         """Place requests taken off an instance on the others (their next step is a refresh);
         `prefer`: the instance to place them on while it is healthy (a migration's target)."""
-        with self._lock:
-            items = [(self._inflight[h.request.id], h) for h in handoffs if h.request.id in self._inflight]
-        self._place_all(items, exclude, prefer)
+        self._requests.place_again(handoffs, exclude, prefer)
         if handoffs:
             self.migrations[reason] = self.migrations.get(reason, 0) + len(handoffs)
             self._emit("migration", {"reason": reason, "count": len(handoffs)})
-
-    def _place_held(self) -> None:
-        """Place the requests held while no instance was up (end of a reconfiguration)."""
-        with self._lock:
-            held, self._held = self._held, []
-        self._place_all(held)
-
-    def _place_all(self, items, exclude: frozenset[str] = frozenset(), prefer: str | None = None) -> None:
-        """Place (tracked, handoff) pairs; an abort asked for meanwhile ends the request instead.
-        Futures are resolved outside the lock: their callbacks take it."""
-        settled: list[tuple[Future, Any]] = []
-        with self._lock:
-            for tracked, h in items:
-                if h.request.id not in self._inflight:  # resolved meanwhile
-                    continue
-                if h.request.id in self._abort_wanted:
-                    h.request.transition(RequestState.FINISHED_ABORTED, self.clock())
-                    settled.append((h.future, RequestResult.of(h.request, tracked.instance)))
-                    continue
-                try:
-                    self._place_locked(tracked, h, exclude, prefer)
-                except NoInstanceAvailable as err:
-                    settled.append((h.future, err))
-        for fut, outcome in settled:
-            if isinstance(outcome, BaseException):
-                _fail(fut, outcome)
-            else:
-                _resolve(fut, outcome)
-
-    def _place_locked(self, tracked: _Tracked, h: Handoff, exclude: frozenset[str] = frozenset(),
-                      prefer: str | None = None) -> None:
-        tried = set(exclude)
-        while True:
-            snaps = [e.snapshot() for e in self.engines]
-            own = None  # the router's estimate of its time there, passed on so it is made once
-            if prefer is not None and prefer not in tried and any(s.name == prefer and s.healthy for s in snaps):
-                name = prefer
-            else:
-                try:
-                    placed = self.router.place(snaps, h.request, self.clock(), frozenset(tried))
-                    name, own = placed.instance, placed.own_seconds
-                except NoInstanceAvailable:
-                    if self.switching:  # instances are coming up: hold it until they are
-                        self._held.append((tracked, h))
-                        tracked.instance = ""
-                        return
-                    raise
-            try:
-                self.engine(name).submit(h.request, h.on_progress, future=h.future, speed_ratio=h.speed_ratio,
-                                         own_seconds=own)
-            except EngineUnavailable:  # it failed since its snapshot: try the others
-                tried.add(name)
-                continue
-            tracked.instance = name
-            return
-
-    def _forget(self, request_id: str) -> None:
-        with self._lock:
-            self._inflight.pop(request_id, None)
-            self._abort_wanted.discard(request_id)
 
     def _on_failure(self, engine: Engine, handoffs: list[Handoff], error: BaseException) -> None:
         fault = f"{type(error).__name__}: {error}"
@@ -402,18 +301,18 @@ class _Admin:
 
     def retire(self, engines: Sequence[Engine]) -> None:
         c, names = self._c, {e.name for e in engines}
-        c.switching = True  # requests no instance can take are held until `install`
-        with c._lock:
+        c._requests.holding = True  # requests no instance can take are held until `install`
+        with c._requests.lock:
             c.engines = [e for e in c.engines if e.name not in names]
             c.retiring.update({e.name: e for e in engines})
 
     def install(self, engines: Sequence[Engine], infos: Sequence[InstanceInfo], layout: str) -> None:
         c, names = self._c, {e.name for e in engines}
-        with c._lock:  # one step: a request placed meanwhile sees the old set or the new one
+        with c._requests.lock:  # one step: a request placed meanwhile sees the old set or the new one
             c.retiring.update({e.name: e for e in c.engines if e.name not in names})
             c.engines, c.infos, c.layout = list(engines), list(infos), layout
-        c.switching = False
-        c._place_held()
+        c._requests.holding = False
+        c._requests.place_held()
 
     def requeue(self, handoffs: Sequence[Handoff], reason: str, exclude: frozenset[str] = frozenset()) -> None:
         self._c.requeue(handoffs, reason, exclude)
@@ -436,19 +335,3 @@ class _Admin:
 
     def emit(self, event: str, details: dict) -> None:
         self._c._emit(event, details)
-
-
-def _fail(fut: Future, err: BaseException) -> None:
-    if not fut.done():
-        try:
-            fut.set_exception(err)
-        except Exception:  # noqa: BLE001 - cancelled concurrently
-            pass
-
-
-def _resolve(fut: Future, value) -> None:
-    if not fut.done():
-        try:
-            fut.set_result(value)
-        except Exception:  # noqa: BLE001 - cancelled concurrently
-            pass

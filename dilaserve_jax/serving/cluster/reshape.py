@@ -17,41 +17,22 @@ the same devices: its engine, weights and requests stay untouched) and replaces 
    on; the final response names the instance that finished. The removed engines stop and their
    weights are dropped.
 
-Pure Python over the `InstanceBuilder` protocol; serving/executor/build.py implements it with JAX.
+Pure Python: it holds the cluster through the `Administered` / `ClusterAdmin` protocols
+(serving/cluster/admin.py) and builds instances through `InstanceBuilder`, which
+serving/executor/instances.py implements with JAX.
 """
 from __future__ import annotations
 
 import time
 from concurrent.futures import wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import Sequence
 
+from dilaserve_jax.core.layouts import layout_text
+from dilaserve_jax.serving.cluster.admin import Administered, ClusterAdmin
+from dilaserve_jax.serving.cluster.builder import InstanceBuilder, InstanceInfo
 from dilaserve_jax.serving.cluster.engine import Engine
 from dilaserve_jax.serving.cluster.engine_types import Handoff
-
-if TYPE_CHECKING:
-    from dilaserve_jax.serving.cluster.cluster import Cluster, InstanceInfo
-
-
-class InstanceBuilder(Protocol):
-    def plan(self, spec: str) -> list["InstanceInfo"]:
-        """The instances of layout `spec` (names identify TP degree + devices); ValueError if invalid."""
-
-    def overlap_fits(self, add: Sequence["InstanceInfo"]) -> bool:
-        """Whether the new instances fit beside the old ones (weights and KV slots)."""
-
-    def build(self, add: Sequence["InstanceInfo"], spec: str) -> tuple[list[Engine], int, float]:
-        """Engines (not started) for the new instances, weights resharded from the current ones;
-        returns them with the bytes moved and the reshard seconds."""
-
-    def prepare(self, engine: Engine) -> None:
-        """After start: compile/warm and install its latency model (through its engine thread)."""
-
-    def release(self, names: Sequence[str]) -> None:
-        """Drop the weights of removed instances."""
-
-    def compiled_placements(self) -> frozenset[tuple[int, int]]:
-        """(TP degree, first device) of every placement with executables."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,76 +60,60 @@ class ReshapeReport:
                 f"{self.bytes_moved / 2**20:.1f} MiB moved, {self.requests_moved} requests moved")
 
 
-def reconfigure(cluster: "Cluster", spec: str, reason: str = "manual") -> ReshapeReport:
-    from dilaserve_jax.serving.cluster.cluster import ClusterBusy
-
+def reconfigure(cluster: Administered, spec: str, reason: str = "manual") -> ReshapeReport:
     builder = cluster.builder
     if builder is None:
         raise ValueError("this cluster cannot reshape its layout")
-    infos = builder.plan(spec)  # ValueError for a bad spec, before taking the lock
-    if not cluster._admin.acquire(blocking=False):
-        raise ClusterBusy("another reconfiguration or reload is in progress")
-    try:
-        return _reconfigure_locked(cluster, builder, infos, spec, reason)
-    finally:
-        cluster._admin.release()
+    infos = builder.plan(spec)  # ValueError for a bad spec, before holding the cluster
+    with cluster.exclusive("reconfiguration") as admin:
+        return _reconfigure(admin, builder, infos, spec, reason)
 
 
-def _reconfigure_locked(cluster: "Cluster", builder: InstanceBuilder, infos, spec: str, reason: str) -> ReshapeReport:
+def _reconfigure(admin: ClusterAdmin, builder: InstanceBuilder, infos: Sequence[InstanceInfo], spec: str,
+                 reason: str) -> ReshapeReport:
     t0 = time.perf_counter()
-    old_text = cluster.layout
-    old = {e.name: e for e in cluster.engines}
+    old_text = admin.layout
+    old = {e.name: e for e in admin.engines}
     keep = tuple(i.name for i in infos if i.name in old and old[i.name].healthy)
     add = [i for i in infos if i.name not in keep]
-    remove = [e for e in cluster.engines if e.name not in keep]
+    remove = [e for e in admin.engines if e.name not in keep]
     if not add and not remove:
         return ReshapeReport(old_text, old_text, reason, "none", keep, (), ())
-    new_text = _canonical(infos)
-    compiled_before = _compile_count(cluster)
+    new_text = layout_text([i.tp_degree for i in infos])
+    compiled_before = _compile_count(builder)
     overlap = builder.overlap_fits(add)
     handoffs: list[Handoff] = []
     boundary_s = 0.0
     if not overlap:  # empty the removed instances first, so their memory is free for the new ones
-        cluster.switching = True
-        with cluster._lock:
-            cluster.engines = [e for e in cluster.engines if e.name in keep]
-            cluster.retiring.update({e.name: e for e in remove})
+        admin.retire(remove)
         handoffs, boundary_s = _hand_over(remove)
         for e in remove:
             e.stop()
     t_build = time.perf_counter()
     new_engines, moved, reshard_s = builder.build(add, spec)
-    cluster.adopt_engines(new_engines)
+    admin.adopt(new_engines)
     for e in new_engines:
         e.start()
         builder.prepare(e)
     build_s = time.perf_counter() - t_build
     by_name = {**old, **{e.name: e for e in new_engines}}
-    with cluster._lock:  # from here on new requests go to the new layout
-        if overlap:
-            cluster.retiring.update({e.name: e for e in remove})
-        cluster.engines = [by_name[i.name] for i in infos]
-        cluster.infos = list(infos)
-        cluster.layout = new_text
-    cluster.switching = False
-    cluster.place_held()
+    admin.install([by_name[i.name] for i in infos], infos, new_text)  # new requests go to the new layout
     if overlap:
         handoffs, boundary_s = _hand_over(remove)
     t_readmit = time.perf_counter()
-    cluster.requeue(handoffs, "reconfigure", exclude=frozenset(e.name for e in remove))
+    admin.requeue(handoffs, "reconfigure", exclude=frozenset(e.name for e in remove))
     readmit_s = time.perf_counter() - t_readmit
-    for e in remove:
-        if overlap:
+    if overlap:
+        for e in remove:
             e.stop()
-        cluster.retiring.pop(e.name, None)
+    admin.forget([e.name for e in remove])
     builder.release([e.name for e in remove])
     report = ReshapeReport(old_text, new_text, reason, "overlap" if overlap else "pause", keep,
                            tuple(i.name for i in add), tuple(e.name for e in remove), build_s, reshard_s, boundary_s,
                            readmit_s, time.perf_counter() - t0, moved, len(handoffs),
-                           _compile_count(cluster) - compiled_before, cluster.clock())
-    cluster.reconfigurations.append(report)
-    del cluster.reconfigurations[:-32]
-    cluster._emit("reconfigure", {"from": old_text, "to": new_text, "seconds": report.total_s, "reason": reason})
+                           _compile_count(builder) - compiled_before, admin.clock())
+    admin.record_reconfiguration(report)
+    admin.emit("reconfigure", {"from": old_text, "to": new_text, "seconds": report.total_s, "reason": reason})
     return report
 
 
@@ -163,7 +128,7 @@ def _hand_over(engines: Sequence[Engine]) -> tuple[list[Handoff], float]:
     return out, time.perf_counter() - t
 
 
-def migrate(cluster: "Cluster", request_id: str, target: str, reason: str, timeout: float) -> bool:
+def migrate(cluster: Administered, request_id: str, target: str, reason: str, timeout: float) -> bool:
     """Move one request to `target` at its source's next step boundary."""
     source_name = cluster.instance_of(request_id)
     if not source_name or source_name == target:
@@ -179,12 +144,7 @@ def migrate(cluster: "Cluster", request_id: str, target: str, reason: str, timeo
     return True
 
 
-def _canonical(infos) -> str:
-    from dilaserve_jax.serving.policy.capacity import layout_text
-
-    return layout_text([i.tp_degree for i in infos])
-
-
-def _compile_count(cluster: "Cluster") -> int:
-    count = getattr(cluster.builder, "compile_count", None)
+def _compile_count(builder: InstanceBuilder) -> int:
+    """Executables built so far, for builders that compile (optional in the protocol)."""
+    count = getattr(builder, "compile_count", None)
     return int(count()) if callable(count) else 0

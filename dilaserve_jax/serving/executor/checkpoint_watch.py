@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from dilaserve_jax.serving.cluster.cluster import Cluster, ClusterBusy
+from dilaserve_jax.serving.cluster.state import CheckpointWatchState
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class CheckpointWatcher:
         self.polls = 0
         self.last_error = ""
         self.last_reload_seconds = 0.0
-        cluster.add_status("checkpoint_watch", self.status)
+        cluster.checkpoint_watch = self.status
 
     def start(self) -> "CheckpointWatcher":
         if self._thread is None:
@@ -103,10 +104,10 @@ class CheckpointWatcher:
             self._say(f"checkpoint watch: step {step} of {self.directory} swapped in ({report.seconds:.2f} s)")
             return step
 
-    def status(self) -> dict:
-        return {"directory": str(self.directory), "last_step": -1 if self.last_step is None else self.last_step,
-                "reloads": self.reloads, "skipped": len(self.skipped), "last_error": self.last_error,
-                "last_reload_seconds": self.last_reload_seconds, "polls": self.polls}
+    def status(self) -> CheckpointWatchState:
+        return CheckpointWatchState(str(self.directory), -1 if self.last_step is None else self.last_step,
+                                    self.reloads, len(self.skipped), self.last_error, self.last_reload_seconds,
+                                    self.polls)
 
 
 def served_step(model_source: str, directory: str | Path) -> int | None:
