@@ -13,27 +13,33 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from dataclasses import dataclass
 
+from dilaserve_jax.core.cli import add_config_arguments, config_from_args, opt, returns_exit_status, setup_logging
+from dilaserve_jax.core.kinds import CACHE_MODES
 from dilaserve_jax.tasks.prompts import prompt_hash
+from dilaserve_jax.tasks.suite import SPLITS
 
+log = logging.getLogger(__name__)
 DEFAULT_THRESHOLDS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5, 0.3)
 DECODERS = ("reference", "fast")
-CACHE_MODES = ("none", "prefix", "dual")
 
 
 @dataclass(frozen=True, slots=True)
 class EvalConfig:
-    model: str = "tiny"
-    thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS
-    per_task: int = 50
-    tasks: tuple[str, ...] = ()
-    block_length: int = 32
-    split: str = "heldout"
-    seed: int = 0
-    decoder: str = "reference"
-    cache_mode: str = "dual"  # fast decoder only
+    model: str = opt("tiny", "preset (tiny) or checkpoint directory")
+    thresholds: tuple[float, ...] = opt(DEFAULT_THRESHOLDS, "confidence thresholds tau in (0, 1]", metavar="TAU")
+    per_task: int = opt(50, "problems per task")
+    tasks: tuple[str, ...] = opt((), "subset of tasks", metavar="TASK", default_text="all")
+    block_length: int = opt(32, "semi-autoregressive block length")
+    split: str = opt("heldout", "problem split", choices=SPLITS)
+    seed: int = opt(0, "problem sampling seed")
+    decoder: str = opt("reference", "reference = uncached one-forward-per-step sampler; fast = batched slot decoder",
+                       choices=DECODERS)
+    cache_mode: str = opt("dual", "KV cache of the fast decoder: none (exact), prefix, dual", name="--cache",
+                          aliases=("--cache-mode",), choices=CACHE_MODES)
 
     def __post_init__(self):
         from dilaserve_jax.tasks.suite import SPLITS, TASKS
@@ -195,44 +201,33 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True, slots=True)
+class EvalOutput:
+    json: bool = opt(False, "print the rows as JSON instead of a table")
+    progress: bool = opt(True, "progress bar on stderr")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    d = EvalConfig()
     p = argparse.ArgumentParser(
         prog="python -m dilaserve_jax.tasks.eval",
         description="Evaluate a model on held-out task problems at several confidence thresholds: valid-answer "
                     "rate, mean tokens committed per denoising step, and steps per request.")
-    p.add_argument("--model", default=d.model, help="preset (tiny) or checkpoint directory (default tiny)")
-    p.add_argument("--thresholds", type=float, nargs="+", default=list(d.thresholds),
-                   help="confidence thresholds tau in (0, 1] (default " + " ".join(map(str, d.thresholds)) + ")")
-    p.add_argument("--per-task", type=int, default=d.per_task, help=f"problems per task (default {d.per_task})")
-    p.add_argument("--tasks", nargs="+", default=None, help="subset of tasks (default all)")
-    p.add_argument("--block-length", type=int, default=d.block_length, help="semi-autoregressive block length")
-    p.add_argument("--split", default=d.split, choices=("heldout", "train"), help="problem split (default heldout)")
-    p.add_argument("--seed", type=int, default=d.seed, help="problem sampling seed (default 0)")
-    p.add_argument("--decoder", default=d.decoder, choices=DECODERS,
-                   help="reference = uncached one-forward-per-step sampler (default); fast = batched slot decoder")
-    p.add_argument("--cache-mode", default=d.cache_mode, choices=CACHE_MODES,
-                   help="KV cache of the fast decoder: none (exact), prefix, dual (default)")
-    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    return p
+    add_config_arguments(p, EvalConfig)
+    return add_config_arguments(p, EvalOutput)
 
 
+@returns_exit_status
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cfg, output = config_from_args(EvalConfig, args, parser), config_from_args(EvalOutput, args, parser)
+    setup_logging(log)
     try:
-        cfg = EvalConfig(model=args.model, thresholds=tuple(args.thresholds), per_task=args.per_task,
-                         tasks=tuple(args.tasks or ()), block_length=args.block_length, split=args.split,
-                         seed=args.seed, decoder=args.decoder,
-                         cache_mode=args.cache_mode)
-        rows = evaluate(cfg, progress=not args.no_progress)
+        rows = evaluate(cfg, progress=output.progress)
     except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        log.error(f"error: {err}")
         return 2
-    if args.json:
-        print(json.dumps(rows, indent=1))
-    else:
-        print(format_table(rows))
+    print(json.dumps(rows, indent=1) if output.json else format_table(rows))
     return 0
 
 

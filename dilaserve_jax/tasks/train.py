@@ -9,31 +9,37 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dilaserve_jax.core.cli import add_config_arguments, config_from_args, opt, returns_exit_status, setup_logging
+
+log = logging.getLogger(__name__)
 DEFAULT_WEIGHTS = {"sort": 1.6, "upper": 0.4, "repeat": 0.5, "altcase": 0.9}
 
 
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
-    out: str
-    model: str = "tiny"
-    steps: int = 640
-    batch_tokens: int = 6144
-    lr: float = 2e-3
-    warmup: int = 40
-    weight_decay: float = 0.01
-    clip: float = 1.0
-    eps: float = 1e-3  # smallest mask probability (bounds the 1/p loss weights)
-    seed: int = 0
-    compute_dtype: str = "bfloat16"
-    checkpoint_every: int = 100
-    weights: dict = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
-    export: str | None = None
+    out: str = opt("runs/tiny", "training directory")
+    model: str = opt("tiny", "model preset")
+    steps: int = opt(640, "optimizer steps")
+    batch_tokens: int = opt(6144, "tokens per batch incl. padding")
+    lr: float = opt(2e-3, "peak learning rate")
+    warmup: int = opt(40, "warm-up steps")
+    weight_decay: float = opt(0.01, "AdamW weight decay")
+    clip: float = opt(1.0, "global gradient-norm clip")
+    eps: float = opt(1e-3, "smallest mask probability (bounds the 1/p loss weights)")
+    seed: int = opt(0, "init, data and masking seed")
+    compute_dtype: str = opt("bfloat16", "activation dtype while training (params and optimizer stay float32)",
+                             choices=("float32", "bfloat16"))
+    checkpoint_every: int = opt(100, "steps between checkpoints")
+    weights: dict = opt(DEFAULT_WEIGHTS, "task mix as JSON, e.g. '{\"sort\": 1, \"repeat\": 0.5}'", parse=json.loads)
+    export: str | None = opt(None, "write the final model as a bf16 LLaDA checkpoint + TRAINING.json/md to DIR "
+                                   "(dilaserve_jax/assets/tiny replaces the embedded model)", metavar="DIR")
 
     def __post_init__(self):
         from dilaserve_jax.tasks.suite import TASKS
@@ -123,7 +129,7 @@ def train(cfg: TrainConfig, command: str = "", progress_bar: bool = True, export
     if latest is not None:
         params, opt_state, progress = ckpt.restore(latest, params, opt_state)
         start = latest
-        print(f"resuming from step {start} in {out}", file=sys.stderr)
+        log.info(f"resuming from step {start} in {out}")
     data = batches(cfg.seed, cfg.batch_tokens, cfg.weights)
     for _ in range(start):  # replay the data stream so a resumed run sees the same batches
         next(data)
@@ -202,56 +208,35 @@ def export(directory: str | Path, model_cfg, params, record: dict) -> None:
         "- weights stored as bfloat16 safetensors (LLaDA names); character tokenizer (id = ord(c))\n")
 
 
+@dataclass(frozen=True, slots=True)
+class TrainCommand:
+    """How this run goes, beside what it trains (TrainConfig, which the training record keeps)."""
+
+    export_only: bool = opt(False, "do not train: export the latest checkpoint of --out to --export")
+    progress: bool = opt(True, "progress bar on stderr")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    d = TrainConfig(out="")
     p = argparse.ArgumentParser(
         prog="python -m dilaserve_jax.tasks.train",
         description="Train the tiny masked-diffusion LM on the synthetic task suite (masked-diffusion "
                     "objective, AdamW + warm-up + cosine decay, orbax checkpoints with resume). Re-running "
                     "with the same --out resumes from its latest checkpoint.")
-    p.add_argument("--out", default="runs/tiny", help="training directory (default runs/tiny)")
-    p.add_argument("--model", default=d.model, help=f"model preset (default {d.model})")
-    p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
-    p.add_argument("--batch-tokens", type=int, default=d.batch_tokens,
-                   help=f"tokens per batch incl. padding (default {d.batch_tokens})")
-    p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
-    p.add_argument("--eps", type=float, default=d.eps, help=f"smallest mask probability (default {d.eps})")
-    p.add_argument("--warmup", type=int, default=d.warmup, help=f"warm-up steps (default {d.warmup})")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--clip", type=float, default=d.clip, help="global gradient-norm clip")
-    p.add_argument("--seed", type=int, default=d.seed, help="init, data and masking seed")
-    p.add_argument("--compute-dtype", default=d.compute_dtype, choices=("float32", "bfloat16"),
-                   help="activation dtype while training (params and optimizer stay float32)")
-    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
-    p.add_argument("--weights", default=None,
-                   help="task mix as JSON, e.g. '{\"sort\": 1, \"repeat\": 0.5}' (default %s)"
-                        % json.dumps(DEFAULT_WEIGHTS))
-    p.add_argument("--export", default=None, metavar="DIR",
-                   help="write the final model as a bf16 LLaDA checkpoint + TRAINING.json/md to DIR "
-                        "(dilaserve_jax/assets/tiny replaces the embedded model)")
-    p.add_argument("--export-only", action="store_true",
-                   help="do not train: export the latest checkpoint of --out to --export")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
+    add_config_arguments(p, TrainConfig)
+    return add_config_arguments(p, TrainCommand)
 
 
+@returns_exit_status
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
-    try:
-        cfg = TrainConfig(
-            out=args.out, model=args.model, steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, eps=args.eps,
-            warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip, seed=args.seed,
-            compute_dtype=args.compute_dtype, checkpoint_every=args.checkpoint_every,
-            weights=json.loads(args.weights) if args.weights else dict(DEFAULT_WEIGHTS), export=args.export)
-    except (ValueError, json.JSONDecodeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    command = "python -m dilaserve_jax.tasks.train " + shlex.join(argv)
-    if args.export_only and not args.export:
-        print("error: --export-only needs --export DIR", file=sys.stderr)
-        return 2
-    record = train(cfg, command, progress_bar=not args.no_progress, export_only=args.export_only)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cfg, command = config_from_args(TrainConfig, args, parser), config_from_args(TrainCommand, args, parser)
+    if command.export_only and not cfg.export:
+        parser.error("--export-only needs --export DIR")
+    setup_logging(log)
+    record = train(cfg, "python -m dilaserve_jax.tasks.train " + shlex.join(argv), progress_bar=command.progress,
+                   export_only=command.export_only)
     print(json.dumps({k: record[k] for k in ("steps", "final_loss", "wall_seconds")}))
     return 0
 
