@@ -1,5 +1,5 @@
 """Executor side of the instances: weights per instance, runners and engines, warm-up, latency
-profiles, weight reload and the `InstanceBuilder` a reconfiguration uses (serving/cluster/reshape.py).
+profiles, weight reload and the `InstanceBuilder` a reconfiguration uses (serving/cluster/builder.py).
 
 Instance names say what they are (`core.layouts.instance_name`): `tp4@0-3` is TP 4 on devices
 0-3, `tp1@6` one device. An instance present in two layouts has the same name in both, and a
@@ -21,7 +21,7 @@ from dilaserve_jax.decoding.compiled import CompiledSteps
 from dilaserve_jax.decoding.state import init_state, state_shardings
 from dilaserve_jax.mesh import Instance, Layout, kv_cache_sharding, reshard
 from dilaserve_jax.models.memory import bytes_per_slot
-from dilaserve_jax.serving.cluster.cluster import InstanceInfo
+from dilaserve_jax.serving.cluster.builder import InstanceInfo
 from dilaserve_jax.serving.cluster.weights_swap import IncompatibleWeights, NewWeights, WeightsError
 from dilaserve_jax.serving.cluster.engine import Engine
 from dilaserve_jax.serving.policy.latency import LatencyModel
@@ -110,7 +110,7 @@ class JaxInstanceBuilder:
         self.latency[tp] = model
         return model
 
-    # --- InstanceBuilder (serving/cluster/reshape.py) ---
+    # --- InstanceBuilder (serving/cluster/builder.py) ---
     def plan(self, spec: str) -> list[InstanceInfo]:
         if jax.process_count() > 1:
             raise ValueError("run-time reconfiguration works within one process only")
