@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import threading
 import time
@@ -28,10 +29,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from dilaserve_jax.core.cli import add_config_arguments, config_from_args, opt, returns_exit_status, setup_logging
 from dilaserve_jax.sim.report import format_table, summarize
 from dilaserve_jax.sim.workload import (RequestSpec, TinyShapes, arrival_times, build_shapes, is_synthetic,
                                         llada_shape, load_trace, parse_slo)
 
+log = logging.getLogger(__name__)
 TOKEN_RANGE = (100, 1000)  # raw prompts: token ids drawn here (clear of the usual special ids)
 
 
@@ -45,6 +48,31 @@ class Outcome:
     response: object = None
 
 
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    """Where the load goes and how it is sent (the arrivals: sim's WorkloadConfig)."""
+
+    target: str = opt("127.0.0.1:50051", "server address HOST:PORT")
+    model: str = opt("tiny", "tiny: task prompts of the embedded model, graded; anything else: raw token ids")
+    max_len: int = opt(4096, "raw prompts: prompt + answer limit")
+    max_answer: int = opt(512, "raw prompts: largest answer area")
+    tau_min: float | None = opt(None, "per-request τ floor", default_text="the server's")
+    tau_max: float | None = opt(None, "per-request τ ceiling", default_text="the server's")
+    static_tau: float = opt(0.9, "τ of the idle-latency measurement")
+    max_concurrency: int = opt(256, "calls in flight at most")
+    drain_s: float = opt(120.0, "seconds to wait for calls after the last arrival; the rest are cancelled")
+    wait_ready_s: float = opt(600.0, "wait up to this long for the server's health check to say SERVING before "
+                                     "sending (a server warms up before it serves; 0 = do not wait)")
+    auth_token: str | None = opt(None, "bearer token (or DILASERVE_AUTH_TOKEN)", env="DILASERVE_AUTH_TOKEN")
+    records: str | None = opt(None, "write one JSON line per request to FILE", metavar="FILE")
+    json: bool = opt(False, "print the report as JSON")
+    progress: bool = opt(True, "progress bar on stderr")
+
+    def __post_init__(self):
+        if self.max_concurrency < 1 or self.drain_s < 0:
+            raise ValueError("--max-concurrency must be >= 1 and --drain-s >= 0")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from dilaserve_jax.sim.__main__ import add_workload_args
 
@@ -53,26 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Open-loop gRPC load generator: send a trace or synthetic arrivals to a DiLaServe server and "
                     "print SLO attainment, latency percentiles, graded accuracy and status codes (the simulator's "
                     "report).")
-    p.add_argument("--target", default="127.0.0.1:50051", help="server address HOST:PORT (default 127.0.0.1:50051)")
+    add_config_arguments(p, LoadConfig, only=("target",))
     add_workload_args(p)
-    p.add_argument("--model", default="tiny",
-                   help="tiny: task prompts of the embedded model, graded; anything else: raw token ids (default tiny)")
-    p.add_argument("--max-len", type=int, default=4096, help="raw prompts: prompt + answer limit (default 4096)")
-    p.add_argument("--max-answer", type=int, default=512, help="raw prompts: largest answer area (default 512)")
-    p.add_argument("--tau-min", type=float, default=None, help="per-request τ floor (default: the server's)")
-    p.add_argument("--tau-max", type=float, default=None, help="per-request τ ceiling (default: the server's)")
-    p.add_argument("--static-tau", type=float, default=0.9, help="τ of the idle-latency measurement (default 0.9)")
-    p.add_argument("--max-concurrency", type=int, default=256, help="calls in flight at most (default 256)")
-    p.add_argument("--drain-s", type=float, default=120.0,
-                   help="seconds to wait for calls after the last arrival; the rest are cancelled (default 120)")
-    p.add_argument("--wait-ready-s", type=float, default=600.0,
-                   help="wait up to this long for the server's health check to say SERVING before sending "
-                        "(a server warms up before it serves; 0 = do not wait; default 600)")
-    p.add_argument("--auth-token", default=None, help="bearer token (or DILASERVE_AUTH_TOKEN)")
-    p.add_argument("--records", default=None, metavar="FILE", help="write one JSON line per request to FILE")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    return p
+    return add_config_arguments(p, LoadConfig, exclude=("target",))
 
 
 def make_workload(args, rng: np.random.Generator) -> list[RequestSpec]:
@@ -155,7 +166,7 @@ def run(args, say) -> tuple[dict, list[dict]]:
     lock = threading.Lock()
     finished = [0]
     bar = None
-    if not args.no_progress:
+    if args.progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(specs), desc="calls", unit="req", file=sys.stderr, leave=False)
@@ -232,13 +243,19 @@ def _record(o: Outcome, args) -> dict:
             "prompt_len": len(o.spec.prompt_tokens), "answer_length": o.spec.answer_length}
 
 
+@returns_exit_status
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    from dilaserve_jax.sim.__main__ import WorkloadConfig
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for cls in (WorkloadConfig, LoadConfig):  # validation; the run reads the parsed flags themselves
+        config_from_args(cls, args, parser)
+    setup_logging(log)
     try:
-        row, records = run(args, say)
+        row, records = run(args, log.info)
     except (ValueError, FileNotFoundError, TimeoutError) as err:
-        say(f"error: {err}")
+        log.error(f"error: {err}")
         return 2
     if args.records:
         with open(args.records, "w") as f:

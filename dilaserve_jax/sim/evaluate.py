@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
+from dilaserve_jax.core.cli import add_config_arguments, config_from_args, opt, returns_exit_status, setup_logging
 from dilaserve_jax.sim.report import format_table, headline, plot_rates
+
+log = logging.getLogger(__name__)
 
 PAPER = {"attainment_gain_points": 56.6, "latency_reduction": 0.46, "accuracy_drop_points": 1.0}
 ABLATIONS = ("threshold", "load", "reconfig", "migration")
@@ -41,7 +46,7 @@ def name_of(policy: str, layout: str, ablate: str) -> str:
 
 def _point(job: dict) -> dict:
     """One simulation (runs in a worker process)."""
-    from dilaserve_jax.sim.__main__ import build_parser, run
+    from dilaserve_jax.sim.__main__ import build_parser, configs, run
 
     argv = ["--trace", job["trace"], "--devices", str(job["devices"]), "--policy", job["policy"], "--layout",
             job["layout"], "--rate-scale", str(job["rate_scale"]), "--duration", str(job["duration"]), "--seed",
@@ -50,13 +55,37 @@ def _point(job: dict) -> dict:
         argv += ["--lengths", job["lengths"]]
     if job["ablate"]:
         argv += ["--ablate", job["ablate"]]
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
     t0 = time.process_time()
-    row, res = run(args, lambda msg: None)
+    row, res = run(*configs(parser, parser.parse_args(argv)))
     row.update({"system": name_of(job["policy"], job["layout"], job["ablate"]), "workload": job["workload"],
                 "rate": job["rate"], "cpu_s": time.process_time() - t0, "duration": job["duration"],
                 "layouts": res.layouts[:20], "ablate": job["ablate"], "policy": job["policy"]})
     return row
+
+
+@dataclass(frozen=True, slots=True)
+class EvaluateConfig:
+    trace: str = opt(help="the Azure code trace CSV (e.g. ../shared/traces/azure_llm_2023_code.csv)")
+    devices: int = opt(8, "devices of the main comparison")
+    poisson_rates: tuple[float, ...] = opt((20, 40, 60, 80, 100, 120), "Poisson rates in req/s")
+    trace_scales: tuple[float, ...] = opt((8, 16, 24, 32, 40, 48), "rate scales of the code trace (2.57 req/s native)")
+    duration: float = opt(60.0, "seconds of arrivals per point")
+    scale_devices: tuple[int, ...] = opt((16, 32, 64), "device counts of the scaling runs (none to skip)", nargs="*")
+    scale_rate: float = opt(60.0, "Poisson rate per 8 devices in the scaling runs")
+    scale_duration: float = opt(30.0, "seconds of arrivals per scaling run")
+    workloads: tuple[str, ...] = opt(("code", "poisson"), "workloads to compare on", choices=("code", "poisson"))
+    seed: int = opt(0, "seed")
+    jobs: int = opt(2, "worker processes")
+    out: str | None = opt(None, "write evaluate.json and the plots here", metavar="DIR")
+    resume: str | None = opt(None, "an earlier evaluate.json: its points (same workload, devices, system and rate) "
+                                   "are reused, not run again (it must come from the same --duration, "
+                                   "--scale-duration and --seed)", metavar="JSON")
+    progress: bool = opt(True, "progress bar on stderr")
+
+    def __post_init__(self):
+        if not Path(self.trace).is_file():
+            raise ValueError(f"trace {self.trace} not found")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,28 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m dilaserve_jax.sim.evaluate",
         description="The paper's evaluation in simulation: static systems, dilaserve and its ablations on 8 modelled "
                     "H100s (analytic LLaDA-8B), code trace and Poisson, across rates; then 16-64 devices.")
-    p.add_argument("--trace", required=True, help="the Azure code trace CSV (e.g. ../shared/traces/azure_llm_2023_code.csv)")
-    p.add_argument("--devices", type=int, default=8, help="devices of the main comparison (default 8)")
-    p.add_argument("--poisson-rates", type=float, nargs="+", default=[20, 40, 60, 80, 100, 120],
-                   help="Poisson rates in req/s (default 20 40 60 80 100 120)")
-    p.add_argument("--trace-scales", type=float, nargs="+", default=[8, 16, 24, 32, 40, 48],
-                   help="rate scales of the code trace (2.57 req/s native; default 8 16 24 32 40 48)")
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per point (default 60)")
-    p.add_argument("--scale-devices", type=int, nargs="*", default=[16, 32, 64],
-                   help="device counts of the scaling runs (default 16 32 64; none to skip)")
-    p.add_argument("--scale-rate", type=float, default=60.0,
-                   help="Poisson rate per 8 devices in the scaling runs (default 60)")
-    p.add_argument("--scale-duration", type=float, default=30.0,
-                   help="seconds of arrivals per scaling run (default 30)")
-    p.add_argument("--workloads", nargs="+", default=["code", "poisson"], choices=["code", "poisson"])
-    p.add_argument("--seed", type=int, default=0, help="seed (default 0)")
-    p.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
-    p.add_argument("--out", default=None, metavar="DIR", help="write evaluate.json and the plots here")
-    p.add_argument("--resume", default=None, metavar="JSON",
-                   help="an earlier evaluate.json: its points (same workload, devices, system and rate) are reused, "
-                        "not run again (it must come from the same --duration, --scale-duration and --seed)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    return p
+    return add_config_arguments(p, EvaluateConfig)
 
 
 def _key(r: dict) -> tuple:
@@ -112,12 +120,11 @@ def _jobs(args) -> list[dict]:
     return out
 
 
+@returns_exit_status
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    if not Path(args.trace).is_file():
-        say(f"error: trace {args.trace} not found")
-        return 2
+    parser = build_parser()
+    args = config_from_args(EvaluateConfig, parser.parse_args(argv), parser)
+    setup_logging(log)
     jobs = _jobs(args)
     rows = []
     if args.resume:
@@ -125,11 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         wanted = {_key({**j, "system": name_of(j["policy"], j["layout"], j["ablate"])}) for j in jobs}
         rows = [r for k, r in done.items() if k in wanted]
         jobs = [j for j in jobs if _key({**j, "system": name_of(j["policy"], j["layout"], j["ablate"])}) not in done]
-        say(f"{len(rows)} points reused from {args.resume}")
-    say(f"{len(jobs)} simulations on {args.jobs} processes")
+        log.info(f"{len(rows)} points reused from {args.resume}")
+    log.info(f"{len(jobs)} simulations on {args.jobs} processes")
     t0 = time.perf_counter()
     bar = None
-    if not args.no_progress:
+    if args.progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(jobs), desc="simulations", unit="run", file=sys.stderr)
@@ -169,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{len(rows)} points, {len(jobs)} simulated now in {wall:.0f} s wall")
     if args.out:
         (Path(args.out) / "evaluate.json").write_text(json.dumps(out, indent=1, default=str))
-        say(f"wrote {args.out}/evaluate.json and the plots")
+        log.info(f"wrote {args.out}/evaluate.json and the plots")
     return 0
 
 

@@ -17,6 +17,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from dilaserve_jax.core.cli import opt, or_none, words
 from dilaserve_jax.core.layouts import binary_partitions, layout_text, parse_layout
 from dilaserve_jax.serving.cluster.autoscale import Autoscaler
 from dilaserve_jax.serving.policy.capacity import RequestShape
@@ -39,21 +40,26 @@ from dilaserve_jax.sim.workload import RequestSpec
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
-    devices: int = 8
-    policy: str = "dilaserve"
+    devices: int = opt(8, "devices in the cluster")
+    policy: str = opt("dilaserve", "scheduling policy", choices=POLICIES)
     layout: str = "auto"  # a mesh spec, or auto (dilaserve only: the controller chooses)
-    initial_layout: str | None = None  # auto: where it starts (default: predicted best for the first window)
-    layouts: tuple[str, ...] = ()  # auto: candidate layouts (default: every partition)
-    tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
-    ablate: frozenset[str] = frozenset()
-    slots: int = 8
-    static_tau: float = 0.9
-    tau_min: float = 0.6
-    tau_max: float = 0.9
-    max_queue: int = DEFAULT_MAX_QUEUE  # waiting requests per instance before rejection (the server's default)
+    initial_layout: str | None = opt(None, "auto: starting layout",
+                                     default_text="the one predicted best for the first window of arrivals")
+    layouts: tuple[str, ...] = opt((), "auto: comma-separated candidate layouts", parse=words,
+                                   default_text="all partitions")
+    tp_degrees: tuple[int, ...] = opt((1, 2, 4, 8), "TP degrees allowed", name="--tp")
+    ablate: frozenset[str] = opt(frozenset(), f"dilaserve without: comma-separated of {', '.join(ABLATIONS)}",
+                                 parse=lambda text: frozenset(words(text)))
+    slots: int = opt(8, "slots per instance")
+    static_tau: float = opt(0.9, "τ of the static policies")
+    tau_min: float = opt(0.6, "per-request τ floor")
+    tau_max: float = opt(0.9, "per-request τ ceiling")
+    max_queue: int = opt(DEFAULT_MAX_QUEUE, "waiting requests per instance before rejection (as serve)")
     controller: ControllerConfig = field(default_factory=ControllerConfig)
-    max_accuracy_drop: float | None = 1.0  # the serving budget (points vs τ_max); None: unbounded
-    budget_mode: str = "adaptive"
+    max_accuracy_drop: float | None = opt(1.0, "dilaserve: the serving accuracy budget, mean predicted drop vs "
+                                               "τ_max in points, or none (unbounded)",
+                                          parse=or_none(float, "none", "unbounded", "inf"))
+    budget_mode: str = opt("adaptive", "budget mode, as serve's", choices=BUDGET_MODES)
     seed: int = 0
 
     def __post_init__(self) -> None:
