@@ -23,16 +23,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import os
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from dilaserve_jax.core.buckets import padded
+from dilaserve_jax.core.cli import (add_config_arguments, config_from_args, opt, or_none, returns_exit_status,
+                                    setup_logging)
 from dilaserve_jax.serving.policy.latency import LatencyModel, Profile
+from dilaserve_jax.serving.policy.scheduler import POLICIES
 from dilaserve_jax.sim.executor import StepTimeModel
 from dilaserve_jax.sim.quality import QualityModel
 from dilaserve_jax.sim.report import summarize
@@ -40,8 +44,51 @@ from dilaserve_jax.sim.setup import ASSETS
 from dilaserve_jax.sim.simulator import SimConfig, Simulation
 from dilaserve_jax.sim.workload import RequestSpec
 
+log = logging.getLogger(__name__)
+
 TARGET_POINTS = 5.0
 TARGET_LATENCY = 0.15
+
+
+@dataclass(frozen=True, slots=True)
+class ValidateConfig:
+    load_factors: tuple[float, ...] = opt((0.5, 1.0, 1.6), "request rates as multiples of the measured capacity")
+    duration: float = opt(20.0, "seconds of arrivals per run")
+    policies: tuple[str, ...] = opt((), "scheduling policies", choices=POLICIES, default_text="all three")
+    slots: int = opt(8, "slots of the instance")
+    per_task: int = opt(6, "held-out problems per task in the pool")
+    slo_range: tuple[float, float] = opt((2.0, 6.0), "SLO = uniform(LO, HI) x the prompt's idle latency",
+                                         metavar=("LO", "HI"))
+    seed: int = opt(0, "workload seed")
+    max_accuracy_drop: float | None = opt(1.0, "dilaserve's accuracy budget in points, on both sides ('inf': "
+                                               "unbounded)", parse=or_none(float, "inf", "none", "unbounded"))
+    sim_seeds: int = opt(3, "simulator seeds per point, averaged")
+    repeats: int = opt(1, "serve every real point this many times (the real server's own run-to-run spread)")
+    out: str | None = opt(None, "write the measured profile (profile.json, usable as --profile of the simulator), "
+                                "the real run's measurements (measured.json) and the comparison here", metavar="DIR")
+    from_file: str | None = opt(None, "skip the real side: re-simulate the real runs saved in FILE (measured.json of "
+                                      "--out)", name="--from", metavar="FILE")
+    step_source: str = opt("run", "simulated step times: the run's own measured steps per shape, falling back to "
+                                  "the start-up profile (run), or the start-up profile alone (profile)",
+                           choices=("run", "profile"))
+    noise: str = opt("timeline", "step-time noise: replay each run's measured slowdown over time (timeline: this "
+                                 "machine is shared, and its contention comes in spells) or resample the pooled "
+                                 "spread (iid)", choices=("timeline", "iid"))
+    json: bool = opt(False, "print the comparison as JSON")
+    compile_cache: str = opt(os.path.join(os.path.expanduser("~"), ".cache", "dilaserve_jax", "xla"),
+                             "persistent XLA compilation cache directory, or 'none'",
+                             default_text="~/.cache/dilaserve_jax/xla")
+    progress: bool = opt(True, "progress bars on stderr")
+
+    def __post_init__(self):
+        if not self.load_factors or any(f <= 0 for f in self.load_factors) or self.duration <= 0:
+            raise ValueError("load factors and the duration must be positive")
+        if self.slots < 1 or self.per_task < 1 or self.sim_seeds < 1 or self.repeats < 1:
+            raise ValueError("slots, per-task, sim-seeds and repeats must be at least 1")
+        if not 0 < self.slo_range[0] <= self.slo_range[1]:
+            raise ValueError(f"bad SLO range {self.slo_range}")
+        if self.max_accuracy_drop is not None and self.max_accuracy_drop < 0:
+            raise ValueError(f"the accuracy budget is points >= 0 or 'inf', got {self.max_accuracy_drop}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,37 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Replay one Poisson trace through the real in-process engine (tiny model, one instance) at "
                     "several loads and policies, then through the simulator fed that run's measured profile, step-time "
                     "spread and host overhead and the shipped eval rows; print both side by side.")
-    p.add_argument("--load-factors", type=float, nargs="+", default=[0.5, 1.0, 1.6],
-                   help="request rates as multiples of the measured capacity (default 0.5 1.0 1.6)")
-    p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run (default 20)")
-    p.add_argument("--policies", nargs="+", default=None, help="policies (default all three)")
-    p.add_argument("--slots", type=int, default=8, help="slots of the instance (default 8)")
-    p.add_argument("--per-task", type=int, default=6, help="held-out problems per task in the pool (default 6)")
-    p.add_argument("--slo-range", type=float, nargs=2, default=[2.0, 6.0], metavar=("LO", "HI"),
-                   help="SLO = uniform(LO, HI) x the prompt's idle latency (default 2 6)")
-    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    p.add_argument("--max-accuracy-drop", type=float, default=1.0,
-                   help="dilaserve's accuracy budget in points, on both sides (serving's default 1; a negative value: "
-                        "unbounded)")
-    p.add_argument("--sim-seeds", type=int, default=3, help="simulator seeds per point, averaged (default 3)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="serve every real point this many times (the real server's own run-to-run spread; default 1)")
-    p.add_argument("--out", default=None, metavar="DIR",
-                   help="write the measured profile (profile.json, usable as --profile of the simulator), the "
-                        "real run's measurements and the comparison (validate.json) here")
-    p.add_argument("--from", dest="from_file", default=None, metavar="FILE",
-                   help="skip the real side: re-simulate the real runs saved in FILE (measured.json of --out)")
-    p.add_argument("--step-source", default="run", choices=("run", "profile"),
-                   help="simulated step times: the run's own measured steps per shape, falling back to the start-up "
-                        "profile (run, default), or the start-up profile alone (profile)")
-    p.add_argument("--noise", default="timeline", choices=("timeline", "iid"),
-                   help="step-time noise: replay each run's measured slowdown over time (timeline, default: this "
-                        "machine is shared, and its contention comes in spells) or resample the pooled spread (iid)")
-    p.add_argument("--json", action="store_true", help="print the comparison as JSON")
-    p.add_argument("--compile-cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dilaserve_jax", "xla"),
-                   help="persistent XLA compilation cache directory, or 'none'")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
-    return p
+    return add_config_arguments(p, ValidateConfig)
 
 
 # --- the simulated side ------------------------------------------------------------------------
@@ -179,31 +196,29 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def measure_real(args, say) -> dict:
+def measure_real(cfg: ValidateConfig) -> dict:
     """The real side (JAX): everything the simulated side is fed, as plain JSON."""
     from dilaserve_jax.bench.policies import Bench, BenchConfig
-    from dilaserve_jax.serving.policy.scheduler import POLICIES
     from dilaserve_jax.decoding.compiled import enable_compile_cache
 
-    enable_compile_cache(args.compile_cache)
-    policies = tuple(args.policies or POLICIES)
-    cfg = BenchConfig(model="tiny", load_factors=tuple(args.load_factors), duration=args.duration,
-                      slo_range=tuple(args.slo_range), slots=args.slots, per_task=args.per_task, seed=args.seed)
-    progress = not args.no_progress
+    enable_compile_cache(cfg.compile_cache)
+    policies = cfg.policies or POLICIES
+    bench_cfg = BenchConfig(model="tiny", load_factors=cfg.load_factors, duration=cfg.duration,
+                            slo_range=cfg.slo_range, slots=cfg.slots, per_task=cfg.per_task, seed=cfg.seed)
     t_start = time.perf_counter()
-    bench = Bench(cfg, say, progress)
+    bench = Bench(bench_cfg, log.info, cfg.progress)
     bench.build()
     idle, cap = bench.capacity()
-    say(f"capacity at τ={cfg.static_tau}: {cap:.2f} req/s; idle latency mean {1e3 * np.mean(idle):.0f} ms")
-    budget = None if args.max_accuracy_drop < 0 else args.max_accuracy_drop
-    info = {"budget": budget, "slots": cfg.slots, "static_tau": cfg.static_tau, "tau_range": [cfg.tau_min, cfg.tau_max],
-            "capacity_rps": cap, "duration": cfg.duration, "slo_range": list(cfg.slo_range),
-            "profile_label": bench.profile.label, "fit": str(bench.latency.report)}
+    log.info(f"capacity at τ={bench_cfg.static_tau}: {cap:.2f} req/s; idle latency mean {1e3 * np.mean(idle):.0f} ms")
+    budget = cfg.max_accuracy_drop
+    info = {"budget": budget, "slots": cfg.slots, "static_tau": bench_cfg.static_tau,
+            "tau_range": [bench_cfg.tau_min, bench_cfg.tau_max], "capacity_rps": cap, "duration": cfg.duration,
+            "slo_range": list(cfg.slo_range), "profile_label": bench.profile.label, "fit": str(bench.latency.report)}
     items = [{"task": it.problem.task, "tokens": list(it.tokens), "answer": it.answer, "block": it.block}
              for it in bench.items]
     runs = []
-    for rep in range(args.repeats):  # the same traces again: how much the real server varies by itself
-        for k, factor in enumerate(cfg.load_factors):
+    for rep in range(cfg.repeats):  # the same traces again: how much the real server varies by itself
+        for k, factor in enumerate(bench_cfg.load_factors):
             rate = round(factor * cap, 2)
             trace = bench.trace(rate, idle, k)
             shift = (k + rep) % len(policies)
@@ -214,8 +229,8 @@ def measure_real(args, say) -> dict:
                 runs.append({"policy": p, "rate": rate, "load": factor, "repeat": rep, "trace": trace,
                              "records": bench.records(reqs), "steps": timing.steps,
                              "busy_wall_s": timing.iterations_s, "overhead_ms": 1e3 * timing.host_s_per_step})
-                say(f"real {p} @ {rate:g} req/s (pass {rep + 1}): "
-                    f"{summarize(runs[-1]['records'], duration=cfg.duration)['slo_attainment']:.1%} attainment")
+                log.info(f"real {p} @ {rate:g} req/s (pass {rep + 1}): "
+                         f"{summarize(runs[-1]['records'], duration=cfg.duration)['slo_attainment']:.1%} attainment")
     return {"info": info | {"real_wall_s": time.perf_counter() - t_start}, "items": items, "runs": runs,
             "profile": bench.profile.to_json(),
             "prior": {str(t): v for t, v in bench.threshold_config(budget, "adaptive").prior},
@@ -260,38 +275,41 @@ def compare_with_sim(measured: dict, seeds: int, source: str = "run", noise: str
     return {"info": info | {"step_time": spread, "sim_wall_s": time.perf_counter() - t_sim}, "rows": rows}
 
 
-def run(args, say) -> dict:
-    if args.from_file:
-        measured = json.loads(Path(args.from_file).read_text())
-        say(f"real runs from {args.from_file} ({len(measured['runs'])} runs)")
+def run(cfg: ValidateConfig) -> dict:
+    if cfg.from_file:
+        measured = json.loads(Path(cfg.from_file).read_text())
+        log.info(f"real runs from {cfg.from_file} ({len(measured['runs'])} runs)")
     else:
-        measured = measure_real(args, say)
-        if args.out:
-            d = Path(args.out)
+        measured = measure_real(cfg)
+        if cfg.out:
+            d = Path(cfg.out)
             d.mkdir(parents=True, exist_ok=True)
             (d / "measured.json").write_text(json.dumps(measured, default=float))
             Profile.from_json(measured["profile"]).save(d / "profile.json")
-            say(f"wrote {d / 'measured.json'} (re-simulate with --from) and {d / 'profile.json'}")
-    out = compare_with_sim(measured, args.sim_seeds, args.step_source, args.noise)
+            log.info(f"wrote {d / 'measured.json'} (re-simulate with --from) and {d / 'profile.json'}")
+    out = compare_with_sim(measured, cfg.sim_seeds, cfg.step_source, cfg.noise)
     sp = out["info"]["step_time"]
-    say(f"step time ({sp['source']}): actual/modelled median {sp['ratio_median']:.3f}, mean {sp['ratio_mean']:.3f} "
-        f"(p10 {sp['ratio_p10']:.3f}, p90 {sp['ratio_p90']:.3f}) over {sp['steps']} steps; host time per step "
-        f"{sp['overhead_per_step_ms']:.2f} ms")
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / f"validate_{args.step_source}_{args.noise}.json").write_text(json.dumps(out, indent=1, default=float))
+    log.info(f"step time ({sp['source']}): actual/modelled median {sp['ratio_median']:.3f}, mean "
+             f"{sp['ratio_mean']:.3f} (p10 {sp['ratio_p10']:.3f}, p90 {sp['ratio_p90']:.3f}) over {sp['steps']} steps; "
+             f"host time per step {sp['overhead_per_step_ms']:.2f} ms")
+    if cfg.out:
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.out) / f"validate_{cfg.step_source}_{cfg.noise}.json").write_text(
+            json.dumps(out, indent=1, default=float))
     return out
 
 
+@returns_exit_status
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    parser = build_parser()
+    cfg = config_from_args(ValidateConfig, parser.parse_args(argv), parser)
+    setup_logging(log)
     try:
-        out = run(args, say)
+        out = run(cfg)
     except (ValueError, FileNotFoundError) as err:
-        say(f"error: {err}")
+        log.error(f"error: {err}")
         return 2
-    if args.json:
+    if cfg.json:
         print(json.dumps(out, indent=1, default=float))
     else:
         print(format_rows(out["rows"]))
