@@ -14,15 +14,16 @@ from typing import Callable
 
 import jax
 
-from dilaserve_jax.core.kinds import CACHE_MODES
 from dilaserve_jax.core.cli import opt, or_none, words
+from dilaserve_jax.core.kinds import CACHE_MODES
+from dilaserve_jax.core.layouts import parse_layout
 from dilaserve_jax.kernels import IMPLEMENTATIONS, describe_attention
-from dilaserve_jax.mesh import Layout, check_model_tp, load_into_layout
-from dilaserve_jax.mesh.share import GIB, bytes_per_device, device_bytes_per_slot, parse_device_ids, share_layout, slots_within
+from dilaserve_jax.mesh import Layout, check_model, check_model_tp, load_into_layout
+from dilaserve_jax.mesh.share import bytes_per_device, parse_device_ids, share_layout
+from dilaserve_jax.models.memory import GIB, device_bytes_per_slot, slots_within
 from dilaserve_jax.models.hf import abstract_params
 from dilaserve_jax.serving.policy import limits as defaults
 from dilaserve_jax.serving.cluster.autoscale import MODES, Autoscaler
-from dilaserve_jax.serving.policy.capacity import parse_layout
 from dilaserve_jax.serving.cluster.cluster import Cluster
 from dilaserve_jax.serving.policy.controller import ClusterController, ControllerConfig
 from dilaserve_jax.serving.executor.instances import JaxInstanceBuilder, instance_info, instance_name
@@ -159,7 +160,7 @@ def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print, *, layou
     say(f"layout {layout} on {share}{jax.device_count()} {jax.devices()[0].platform} device(s)")
     t0 = time.perf_counter()
     model = model or load_serving_model(cfg, layout)
-    layout.spec.check_model(model.config)
+    check_model(layout.spec, model.config)
     say(f"model {model.source} ({model.config.num_params / 1e6:.2f} M parameters) loaded in "
         f"{time.perf_counter() - t0:.1f} s; attention: {describe_attention(model.config.attention)}")
     lengths = _length_buckets(cfg, model.config.max_len)

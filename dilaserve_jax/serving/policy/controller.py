@@ -12,7 +12,7 @@ Every `interval_s` the cluster (or the simulator) calls `decide(now, current, sn
 - **Objective.** attainment + `tau_weight`·mean τ − `latency_weight`·latency/latency_now: deadlines
   first, then quality, then speed (at low load every layout meets every deadline at τ_max and the
   widest instances finish soonest; at high load narrow instances keep τ high).
-- **Switching cost.** Bytes that must move (`capacity.moved_fraction` of the model per device) at
+- **Switching cost.** Bytes that must move (`core.layouts.moved_fraction` of the model per device) at
   `bandwidth_gbps`, compilation of placements never seen (`compile_s`), and the pause of the
   requests in flight (a step boundary plus a refresh). Requests whose slack is below the pause are
   charged as misses; the gain counts only after the switch completes, over `horizon_s`.
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from dilaserve_jax.core.cli import opt
-from dilaserve_jax.serving.policy.capacity import (LayoutPrediction, RequestShape, binary_partitions, evaluate_layouts,
-                                            instance_curves, layout_text, moved_fraction, parse_layout, placements)
+from dilaserve_jax.core.layouts import binary_partitions, layout_text, moved_fraction, parse_layout, placements
+from dilaserve_jax.serving.policy.capacity import LayoutPrediction, RequestShape, evaluate_layouts, instance_curves
 from dilaserve_jax.serving.policy.latency import LatencyModel
 from dilaserve_jax.serving.policy.threshold import DEFAULT_PRIOR
 from dilaserve_jax.core.kinds import StepKind
