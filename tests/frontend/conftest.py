@@ -57,8 +57,9 @@ class CharFakeRunner(FakeRunner):
         tokens = tuple(97 + t % 26 for t in out.tokens)
         for p, t in zip(out.positions, tokens):
             st.tokens[p] = t
+        answer = tuple(t for t in st.tokens if t is not None) if out.request_finished else None
         return type(out)(out.slot, out.positions, tokens, out.n_committed, out.max_confidence,
-                         out.block_finished, out.request_finished)
+                         out.block_finished, out.request_finished, answer=answer)
 
 
 def fake_loader(names, delay_s=0.0):
