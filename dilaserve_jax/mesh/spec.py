@@ -9,7 +9,7 @@ from dilaserve_jax.core.heads import head_problems
 from dilaserve_jax.core.layouts import MeshSpec, MeshSpecError, is_power_of_two
 from dilaserve_jax.models.config import ModelConfig
 
-__all__ = ["MeshSpec", "MeshSpecError", "check_model", "check_model_tp", "head_problems"]
+__all__ = ["MeshSpec", "MeshSpecError", "check_model", "check_model_tp"]
 
 
 def check_model(spec: MeshSpec, cfg: ModelConfig) -> None:
