@@ -40,8 +40,9 @@ class ClientConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dilaserve_jax.client",
-                                description="Send a prompt to a dilaserve-jax server and print the answer and its timings.")
+    p = argparse.ArgumentParser(
+        prog="python -m dilaserve_jax.client",
+        description="Send a prompt to a dilaserve-jax server and print the answer and its timings.")
     return add_config_arguments(p, ClientConfig)
 
 

@@ -106,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     if command.watch_checkpoints:
         from dilaserve_jax.serving.executor.checkpoint_watch import CheckpointWatcher, served_step
 
-        watcher = CheckpointWatcher(cluster, command.watch_checkpoints, interval_s=command.watch_interval_s,
-                                    say=log.info, after_step=served_step(cluster.model_source, command.watch_checkpoints))
+        directory = command.watch_checkpoints
+        watcher = CheckpointWatcher(cluster, directory, interval_s=command.watch_interval_s, say=log.info,
+                                    after_step=served_step(cluster.model_source, directory))
     return asyncio.run(_serve(cluster, options, watcher))
 
 

@@ -13,22 +13,58 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dilaserve_jax.kernels import attention, describe_attention, resolve_attention
+from dilaserve_jax.core.cli import add_config_arguments, config_from_args, opt, returns_exit_status, setup_logging
+from dilaserve_jax.kernels import IMPLEMENTATIONS, attention, describe_attention, resolve_attention
 from dilaserve_jax.kernels.reference import reference_attention
+
+log = logging.getLogger(__name__)
 
 # LLaDA-8B attention: 32 heads (no GQA), head dim 128.
 HEADS, KV_HEADS, HEAD_DIM = 32, 32, 128
 CPU_NOTE = ("CPU backend: the Pallas kernel runs in interpret mode, so CPU timings of it mean nothing; "
             "this run checks correctness only (max abs error vs the XLA reference, small shapes).")
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionBenchConfig:
+    attention: str = opt("both", "implementation(s) to run (both: kernel and reference side by side)",
+                         choices=("both", *IMPLEMENTATIONS))
+    batch: tuple[int, ...] | None = opt(None, "batch sizes", default_text="1 4 16; CPU: 1 2")
+    canvas: tuple[int, ...] | None = opt(None, "canvas lengths = keys", default_text="1024 2048 4096; CPU: 64 200")
+    queries: tuple[str, ...] = opt(("32", "canvas"), "query counts: integers and/or 'canvas' (refresh step)")
+    dtype: str = opt("bfloat16", "q/k/v dtype", choices=("bfloat16", "float32"))
+    iters: int = opt(10, "timed calls per row (median reported)")
+    block_q: int | None = opt(None, "kernel query tile", default_text="per backend")
+    block_k: int | None = opt(None, "kernel key tile", default_text="per backend")
+    heads: int = opt(HEADS, "query heads (LLaDA-8B's by default)")
+    kv_heads: int = opt(KV_HEADS, "kv heads (fewer = GQA)")
+    head_dim: int = opt(HEAD_DIM, "head dimension")
+    sharded: bool = opt(False, "tensor-parallel case: the kernel per shard (shard_map) on TP instances vs XLA "
+                               "attention on the same inputs; per-device shapes, collectives in the compiled program, "
+                               "time of both (shapes by default: batch 1 16, canvas 1024 4096; CPU: batch 2, "
+                               "canvas 64)")
+    tp: tuple[int, ...] | None = opt(None, "--sharded: TP degrees", default_text="1 2 4 8, up to the device count")
+    cpu_devices: int = opt(8, "CPU devices to present when the backend is CPU (8 lets --sharded reach TP 8; 0 = leave "
+                              "as is)")
+    check: bool = opt(False, "exit 1 unless every Pallas row matches XLA (float32 1e-5, bf16 1e-2) with no collective")
+    json: bool = opt(False, "print the rows as a JSON array instead of a table")
+
+    def __post_init__(self):
+        if self.iters < 1 or min(self.heads, self.kv_heads, self.head_dim) < 1:
+            raise ValueError("--iters, --heads, --kv-heads and --head-dim must be positive")
+        if any(q != "canvas" and not q.isdigit() for q in self.queries):
+            raise ValueError(f"--queries takes integers and 'canvas', got {' '.join(self.queries)}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,32 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmark bidirectional cached attention (Pallas flash kernel vs XLA reference) at "
                     "LLaDA-8B shapes: time, FLOP/s and bytes/s against the device's measured peaks. On CPU it "
                     "reports interpret-mode correctness only.")
-    p.add_argument("--attention", default="both", choices=("both", "auto", "xla", "pallas"),
-                   help="implementation(s) to run (default both: kernel and reference side by side)")
-    p.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes (default 1 4 16; CPU: 1 2)")
-    p.add_argument("--canvas", type=int, nargs="+", default=None,
-                   help="canvas lengths = keys (default 1024 2048 4096; CPU: 64 200)")
-    p.add_argument("--queries", nargs="+", default=["32", "canvas"],
-                   help="query counts: integers and/or 'canvas' (refresh step) (default 32 canvas)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="q/k/v dtype")
-    p.add_argument("--iters", type=int, default=10, help="timed calls per row (median reported)")
-    p.add_argument("--block-q", type=int, default=None, help="kernel query tile (default per backend)")
-    p.add_argument("--block-k", type=int, default=None, help="kernel key tile (default per backend)")
-    p.add_argument("--heads", type=int, default=HEADS, help=f"query heads (default {HEADS}, LLaDA-8B)")
-    p.add_argument("--kv-heads", type=int, default=KV_HEADS, help=f"kv heads (default {KV_HEADS}; fewer = GQA)")
-    p.add_argument("--head-dim", type=int, default=HEAD_DIM, help=f"head dimension (default {HEAD_DIM})")
-    p.add_argument("--sharded", action="store_true",
-                   help="tensor-parallel case: the kernel per shard (shard_map) on TP instances vs XLA attention on "
-                        "the same inputs; per-device shapes, collectives in the compiled program, time of both "
-                        "(default shapes: batch 1 16, canvas 1024 4096; CPU: batch 2, canvas 64)")
-    p.add_argument("--tp", type=int, nargs="+", default=None,
-                   help="--sharded: TP degrees (default 1 2 4 8, up to the device count)")
-    p.add_argument("--cpu-devices", type=int, default=8,
-                   help="CPU devices to present when the backend is CPU (default 8, so --sharded reaches TP 8; 0 = leave as is)")
-    p.add_argument("--check", action="store_true",
-                   help="exit 1 unless every Pallas row matches XLA (float32 1e-5, bf16 1e-2) with no collective")
-    p.add_argument("--json", action="store_true", help="print the rows as a JSON array instead of a table")
-    return p
+    return add_config_arguments(p, AttentionBenchConfig)
 
 
 def _median_seconds(fn, iters: int) -> float:
@@ -112,7 +123,7 @@ def run_rows(args, impls, on_accelerator: bool, peaks: dict | None, kernel_optio
     shapes = [(b, L, L if qs == "canvas" else int(qs)) for L in canvases for qs in args.queries for b in batches]
     rows = []
     for index, (batch, n_keys, n_q) in enumerate(shapes, 1):
-        print(f"[{index}/{len(shapes)}] batch={batch} canvas={n_keys} queries={n_q}", file=sys.stderr, flush=True)
+        log.info(f"[{index}/{len(shapes)}] batch={batch} canvas={n_keys} queries={n_q}")
         q, k, v, valid = _inputs(args, batch, n_q, n_keys, dtype)
         flops, bytes_moved = _cost(q, k, v, valid)
         try:
@@ -177,8 +188,11 @@ def _present_cpu_devices(n: int) -> None:
         pass
 
 
+@returns_exit_status
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = config_from_args(AttentionBenchConfig, parser.parse_args(argv), parser)
+    setup_logging(log)
     _present_cpu_devices(args.cpu_devices)
     backend = jax.default_backend()
     on_accelerator = backend != "cpu"
@@ -196,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = sharded_rows(args, on_accelerator)
     else:
         if on_accelerator:
-            print("measuring device peaks (bf16 matmul, copy bandwidth)...", file=sys.stderr, flush=True)
+            log.info("measuring device peaks (bf16 matmul, copy bandwidth)...")
             peaks = measure_peaks()
             header.update(peak_tflops=peaks["matmul_flops"] / 1e12, peak_gbps=peaks["copy_bytes_per_s"] / 1e9)
         else:
@@ -211,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sharded and args.check:
         failures = check_failures(rows)
         for failure in failures:
-            print(f"check failed: {failure}", file=sys.stderr)
-        print(f"check: {'FAILED' if failures else 'passed'} ({len(rows)} rows)", file=sys.stderr)
+            log.error(f"check failed: {failure}")
+        log.info(f"check: {'FAILED' if failures else 'passed'} ({len(rows)} rows)")
         return 1 if failures else 0
     return 1 if any("error" in r or r.get("nan") for r in rows) else 0
 

@@ -12,28 +12,32 @@ tree with each decoder's slots split over N devices.
 """
 from __future__ import annotations
 
-from dilaserve_jax.core.kinds import StepKind
 import argparse
 import json
+import logging
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-CACHES = ("none", "prefix", "dual")
+from dilaserve_jax.core.cli import add_config_arguments, config_from_args, opt, returns_exit_status, setup_logging
+from dilaserve_jax.core.kinds import CACHE_MODES, StepKind
+from dilaserve_jax.kernels import IMPLEMENTATIONS
+
+log = logging.getLogger(__name__)
+CACHES = CACHE_MODES
 
 
 @dataclass(frozen=True, slots=True)
 class BenchConfig:
-    model: str = "tiny"
-    per_task: int = 8
-    taus: tuple[float, ...] = (1.0, 0.9, 0.7, 0.5)
-    caches: tuple[str, ...] = CACHES
-    batches: tuple[int, ...] = (1, 16)
-    block_length: int = 32
-    seed: int = 0
-    big_model: bool = True
+    model: str = opt("tiny", "preset (tiny) or checkpoint directory")
+    per_task: int = opt(8, "held-out problems per task")
+    taus: tuple[float, ...] = opt((1.0, 0.9, 0.7, 0.5), "thresholds", metavar="TAU")
+    caches: tuple[str, ...] = opt(CACHES, "cache modes", choices=CACHES)
+    batches: tuple[int, ...] = opt((1, 16), "batch sizes")
+    block_length: int = opt(32, "block length")
+    seed: int = opt(0, "problem sampling seed")
+    big_model: bool = opt(True, "time the llada_8b-shaped steps")
 
     def __post_init__(self):
         if not self.taus or not all(0.0 < t <= 1.0 for t in self.taus):
@@ -179,63 +183,65 @@ def format_tables(rows: list[dict], steps: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeBenchCommand:
+    attention: str = opt("auto", "attention implementation (auto = Pallas on GPU/TPU, XLA on CPU)",
+                         choices=IMPLEMENTATIONS)
+    scaling: bool = opt(False, "instead: tokens/s against batch size on a random 4-layer LLaDA-format checkpoint "
+                               "(prompt 32, answer 128, block 32, one token per step) and the per-step time breakdown")
+    against: str | None = opt(None, "with --scaling: also time the dilaserve_jax of this source tree, interleaved "
+                                    "with this one", metavar="TREE")
+    slot_shards: int = opt(1, "with --scaling: also time this tree with each decoder's slots split over N devices "
+                              "(host devices on CPU; every side then runs with N), as the side 'shards'", metavar="N")
+    processes: int = opt(1, "with --scaling: also time P independent worker processes of this tree, each decoding "
+                            "batch / P of a cell's requests at once, as the side 'procs' (what the machine does with "
+                            "the work split and no coordination; cells P does not divide show '-')", metavar="P")
+    json: bool = opt(False, "print one JSON object instead of tables")
+    progress: bool = opt(True, "progress bars on stderr")
+
+    def __post_init__(self):
+        for flag, value in (("--slot-shards", self.slot_shards), ("--processes", self.processes)):
+            if value < 1:
+                raise ValueError(f"{flag} must be positive, got {value}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    d = BenchConfig()
+    from dilaserve_jax.bench.scaling import ScalingConfig
+
     p = argparse.ArgumentParser(
         prog="python -m dilaserve_jax.bench.decode",
         description="Benchmark fast diffusion decoding: for each KV-cache mode (none, prefix, dual), confidence "
                     "threshold and batch size, decode a held-out task sample and report tokens/s, steps per "
                     "request, accuracy and measured refresh/reuse step times; then time single refresh and "
                     "reuse steps of the tiny model and of a 2-layer llada_8b-shaped model (canvas 1024).")
-    p.add_argument("--model", default=d.model, help="preset (tiny) or checkpoint directory (default tiny)")
-    p.add_argument("--attention", default="auto", choices=("auto", "xla", "pallas"),
-                   help="attention implementation (auto = Pallas on GPU/TPU, XLA on CPU)")
-    p.add_argument("--per-task", type=int, default=d.per_task, help=f"held-out problems per task (default {d.per_task})")
-    p.add_argument("--taus", type=float, nargs="+", default=list(d.taus), help="thresholds (default 1.0 0.9 0.7 0.5)")
-    p.add_argument("--caches", nargs="+", default=list(d.caches), choices=CACHES, help="cache modes (default all)")
-    p.add_argument("--batches", type=int, nargs="+", default=list(d.batches), help="batch sizes (default 1 16)")
-    p.add_argument("--block-length", type=int, default=d.block_length, help="block length (default 32)")
-    p.add_argument("--seed", type=int, default=d.seed, help="problem sampling seed (default 0)")
-    p.add_argument("--no-big-model", action="store_true", help="skip the llada_8b-shaped step timing")
-    p.add_argument("--scaling", action="store_true",
-                   help="instead: tokens/s against batch size on a random 4-layer LLaDA-format checkpoint (prompt 32, "
-                        "answer 128, block 32, one token per step) and the per-step time breakdown")
-    p.add_argument("--against", default=None, metavar="TREE",
-                   help="with --scaling: also time the dilaserve_jax of this source tree, interleaved with this one")
-    p.add_argument("--slot-shards", type=int, default=1, metavar="N",
-                   help="with --scaling: also time this tree with each decoder's slots split over N devices (host "
-                        "devices on CPU; every side then runs with N), as the side 'shards'")
-    p.add_argument("--processes", type=int, default=1, metavar="P",
-                   help="with --scaling: also time P independent worker processes of this tree, each decoding "
-                        "batch / P of a cell's requests at once, as the side 'procs' (what the machine does with "
-                        "the work split and no coordination; cells P does not divide show '-')")
-    p.add_argument("--scaling-batches", type=int, nargs="+", default=[1, 8, 16, 32, 64],
-                   help="with --scaling: batch sizes (default 1 8 16 32 64)")
-    p.add_argument("--breakdown-batches", type=int, nargs="*", default=[1, 8, 32],
-                   help="with --scaling: batch sizes of the per-step breakdown (default 1 8 32; none to skip)")
-    p.add_argument("--breakdown-caches", nargs="+", default=["dual"], choices=CACHES,
-                   help="with --scaling: cache modes of the per-step breakdown (default dual)")
-    p.add_argument("--top-ops", type=int, default=0, metavar="N",
-                   help="with --scaling: also list the N largest XLA operations of every breakdown step (default 0)")
-    p.add_argument("--repeats", type=int, default=3, help="with --scaling: timed rounds after warm-up (default 3)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
-    return p
+    add_config_arguments(p, BenchConfig, only=("model",))
+    add_config_arguments(p, DecodeBenchCommand, only=("attention",))
+    add_config_arguments(p, BenchConfig, exclude=("model",))
+    add_config_arguments(p, DecodeBenchCommand, only=("scaling", "against", "slot_shards", "processes"))
+    add_config_arguments(p, ScalingConfig, only=("batches", "breakdown_batches", "breakdown_caches", "top_ops",
+                                                 "repeats"))
+    return add_config_arguments(p, DecodeBenchCommand, only=("json", "progress"))
 
 
+@returns_exit_status
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    progress = not args.no_progress
-    if args.scaling:
-        return scaling_main(args, progress)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = config_from_args(DecodeBenchCommand, args, parser)
+    setup_logging(log)
+    if command.scaling:
+        from dilaserve_jax.bench.scaling import ScalingConfig
+
+        cfg = config_from_args(ScalingConfig, args, parser, caches=tuple(args.caches), block=args.block_length)
+        return scaling_main(cfg, command)
+    cfg = config_from_args(BenchConfig, args, parser)
+    progress = command.progress
     try:
-        cfg = BenchConfig(args.model, args.per_task, tuple(args.taus), tuple(args.caches), tuple(args.batches),
-                          args.block_length, args.seed, not args.no_big_model)
         from dilaserve_jax.models import load_model
 
-        model = load_model(cfg.model, attention=args.attention)
+        model = load_model(cfg.model, attention=command.attention)
     except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        log.error(f"error: {err}")
         return 2
     t0 = time.perf_counter()
     rows = run_grid(model, cfg, progress)
@@ -246,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
              for b in cfg.batches]
     if cfg.big_model:
         steps.append(big_model_steps(progress))
-    if args.json:
+    if command.json:
         print(json.dumps({"config": asdict(cfg), "model": model.source, "grid": rows, "steps": steps,
                           "seconds": time.perf_counter() - t0}, indent=1))
     else:
@@ -256,26 +262,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def scaling_main(args, progress: bool) -> int:
-    from dilaserve_jax.bench.scaling import OWN_TREE, ScalingConfig, format_scaling, run_scaling
+def scaling_main(cfg, args: DecodeBenchCommand) -> int:
+    from dilaserve_jax.bench.scaling import OWN_TREE, format_scaling, run_scaling
 
-    try:
-        cfg = ScalingConfig(tuple(args.scaling_batches), tuple(args.caches), block=args.block_length,
-                            repeats=args.repeats, breakdown_batches=tuple(args.breakdown_batches),
-                            breakdown_caches=tuple(args.breakdown_caches), top_ops=args.top_ops)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    for flag, value in (("--slot-shards", args.slot_shards), ("--processes", args.processes)):
-        if value < 1:
-            print(f"error: {flag} must be positive, got {value}", file=sys.stderr)
-            return 2
+    progress = args.progress
     trees = {"this": OWN_TREE}
     if args.slot_shards > 1:
         trees["shards"] = OWN_TREE
     if args.against:
         if not (Path(args.against) / "dilaserve_jax" / "__init__.py").exists():
-            print(f"error: {args.against} is not a source tree of this project", file=sys.stderr)
+            log.error(f"error: {args.against} is not a source tree of this project")
             return 2
         trees["against"] = Path(args.against)
     t0 = time.perf_counter()

@@ -11,25 +11,42 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
-import sys
 import time
+from dataclasses import dataclass
+
+from dilaserve_jax.core.cli import add_config_arguments, config_from_args, opt, returns_exit_status, setup_logging
+from dilaserve_jax.kernels import IMPLEMENTATIONS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class OverlapConfig:
+    model: str = opt("tiny", "preset or checkpoint directory")
+    attention: str = opt("auto", "attention implementation (auto = Pallas on GPU/TPU, XLA on CPU)",
+                         choices=IMPLEMENTATIONS)
+    requests: int = opt(16, "requests per instance")
+    slots: int = opt(4, "slots per instance")
+    json: bool = opt(False, "print one JSON object")
+
+    def __post_init__(self):
+        if self.requests < 1 or self.slots < 1:
+            raise ValueError("--requests and --slots must be positive")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dilaserve_jax.bench.overlap",
                                 description="Measure how much two in-process instances overlap their steps.")
-    p.add_argument("--model", default="tiny", help="preset or checkpoint directory (default tiny)")
-    p.add_argument("--attention", default="auto", choices=("auto", "xla", "pallas"),
-                   help="attention implementation (auto = Pallas on GPU/TPU, XLA on CPU)")
-    p.add_argument("--requests", type=int, default=16, help="requests per instance (default 16)")
-    p.add_argument("--slots", type=int, default=4, help="slots per instance (default 4)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    return p
+    return add_config_arguments(p, OverlapConfig)
 
 
+@returns_exit_status
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = config_from_args(OverlapConfig, parser.parse_args(argv), parser)
+    setup_logging(log)
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
     import jax
@@ -47,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     devices = jax.devices()[:2]
     if len(devices) < 2:
-        print("error: needs two devices", file=sys.stderr)
+        log.error("error: needs two devices")
         return 2
     model = load_model(args.model, attention=args.attention)
     compiled = CompiledSteps(model.config, model.graphdef)

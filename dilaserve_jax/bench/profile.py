@@ -11,10 +11,42 @@ labelled `"analytic": true`).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from dilaserve_jax.core.cli import add_config_arguments, config_from_args, opt, returns_exit_status, setup_logging
+from dilaserve_jax.core.kinds import CACHE_MODES
+from dilaserve_jax.kernels import IMPLEMENTATIONS
+from dilaserve_jax.serve import DEFAULT_COMPILE_CACHE
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileConfig:
+    out: str = opt(help="where to write the measured profile JSON")
+    model: str = opt("tiny", "preset (tiny, test) or checkpoint directory")
+    attention: str = opt("auto", "attention implementation (auto = Pallas on GPU/TPU, XLA on CPU)",
+                         choices=IMPLEMENTATIONS)
+    batches: tuple[int, ...] = opt((1, 2, 4, 8), "batch sizes")
+    lengths: tuple[int, ...] | None = opt(None, "canvas lengths",
+                                          default_text="max_len/4, max_len/2, max_len of the model")
+    blocks: tuple[int, ...] = opt((8, 16, 32), "block lengths")
+    tp: tuple[int, ...] = opt((1,), "TP degrees to profile, one instance each (on CPU, fake devices are presented)")
+    cache_mode: str = opt("dual", "KV cache mode", name="--cache", aliases=("--cache-mode",), choices=CACHE_MODES)
+    repeats: int = opt(3, "timed runs per point; the median is kept")
+    holdout: float = opt(0.25, "fraction of points held out of the fit")
+    seed: int = opt(0, "seed of the held-out split and the dummy prompts")
+    analytic_out: str | None = opt(None, "directory for analytic LLaDA-8B roofline profiles")
+    compile_cache: str = opt(DEFAULT_COMPILE_CACHE, "persistent XLA compilation cache directory, or 'none'")
+    progress: bool = opt(True, "progress bars on stderr")
+
+    def __post_init__(self):
+        if min(self.tp) < 1 or min(self.batches) < 1 or self.repeats < 1 or not 0 <= self.holdout < 1:
+            raise ValueError("--tp, --batches and --repeats must be positive, --holdout in [0, 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,25 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Measure refresh/reuse step latencies of a model over a (batch, canvas length, block) grid, "
                     "write the profile JSON, report the latency-model fit error on held-out points and the "
                     "refresh/reuse ratio per length; optionally write analytic LLaDA-8B roofline profiles.")
-    p.add_argument("--out", required=True, help="where to write the measured profile JSON")
-    p.add_argument("--model", default="tiny", help="preset (tiny, test) or checkpoint directory (default tiny)")
-    p.add_argument("--attention", default="auto", choices=("auto", "xla", "pallas"),
-                   help="attention implementation (auto = Pallas on GPU/TPU, XLA on CPU)")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8], help="batch sizes (default 1 2 4 8)")
-    p.add_argument("--lengths", type=int, nargs="+", default=None,
-                   help="canvas lengths (default: max_len/4, max_len/2, max_len of the model)")
-    p.add_argument("--blocks", type=int, nargs="+", default=[8, 16, 32], help="block lengths (default 8 16 32)")
-    p.add_argument("--tp", type=int, nargs="+", default=[1],
-                   help="TP degrees to profile, one instance each (default 1; on CPU, fake devices are presented)")
-    p.add_argument("--cache-mode", default="dual", choices=("none", "prefix", "dual"), help="KV cache mode (default dual)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per point; the median is kept (default 3)")
-    p.add_argument("--holdout", type=float, default=0.25, help="fraction of points held out of the fit (default 0.25)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the held-out split and the dummy prompts")
-    p.add_argument("--analytic-out", default=None, help="directory for analytic LLaDA-8B roofline profiles")
-    p.add_argument("--compile-cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dilaserve_jax", "xla"),
-                   help="persistent XLA compilation cache directory, or 'none'")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
-    return p
+    return add_config_arguments(p, ProfileConfig)
 
 
 def _present_cpu_devices(n: int) -> None:
@@ -72,7 +86,7 @@ def _runner(model, tp: int, args, lengths, compiled):
         sharding = state_shardings(template, kv_cache_sharding(inst, cfg), NamedSharding(inst.mesh, PartitionSpec()))
     return JaxRunner(cfg, model.graphdef, params, num_slots=max(args.batches), length_buckets=lengths,
                      block_buckets=tuple(args.blocks), cache_mode=args.cache_mode, tp_degree=tp,
-                     state_sharding=sharding, compiled=compiled, progress=not args.no_progress)
+                     state_sharding=sharding, compiled=compiled, progress=args.progress)
 
 
 def _ratio_lines(profile) -> list[str]:
@@ -87,12 +101,11 @@ def _ratio_lines(profile) -> list[str]:
     return lines
 
 
+@returns_exit_status
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    if min(args.tp) < 1 or min(args.batches) < 1 or args.repeats < 1 or not 0 <= args.holdout < 1:
-        say("error: --tp, --batches and --repeats must be positive, --holdout in [0, 1)")
-        return 2
+    parser = build_parser()
+    args = config_from_args(ProfileConfig, parser.parse_args(argv), parser)
+    setup_logging(log)
     _present_cpu_devices(max(args.tp))
     from dilaserve_jax.decoding.compiled import CompiledSteps, enable_compile_cache
     from dilaserve_jax.models import load_model
@@ -109,15 +122,15 @@ def main(argv: list[str] | None = None) -> int:
         for tp in sorted(set(args.tp)):
             t0 = time.perf_counter()
             runner = _runner(model, tp, args, lengths, compiled)
-            say(f"TP {tp}: compiled {len(runner.decoder.config.step_shapes())} step shapes in "
+            log.info(f"TP {tp}: compiled {len(runner.decoder.config.step_shapes())} step shapes in "
                 f"{time.perf_counter() - t0:.1f} s")
             prof = measure_profile(runner, batches=args.batches, lengths=lengths, blocks=args.blocks,
-                                   repeats=args.repeats, progress=not args.no_progress, model_name=cfg.name,
+                                   repeats=args.repeats, progress=args.progress, model_name=cfg.name,
                                    seed=args.seed)
             points.extend(prof.points)
             labels.append(prof)
     except (ValueError, FileNotFoundError) as err:
-        say(f"error: {err}")
+        log.error(f"error: {err}")
         return 2
     first = labels[0]
     label = first.label if len(labels) == 1 else f"{first.label} (and TP {', '.join(map(str, sorted(set(args.tp))[1:]))})"

@@ -16,9 +16,24 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import threading
 import time
+from dataclasses import dataclass
+
+from dilaserve_jax.core.cli import add_config_arguments, config_from_args, opt, returns_exit_status
+
+
+@dataclass(frozen=True, slots=True)
+class PushConfig:
+    model: str = opt("tiny", "preset or checkpoint")
+    busy_threads: int = opt(4, "Python threads spinning beside the push")
+    repeats: int = opt(3, "timed pushes per method and condition")
+    collectives: bool = opt(False, "also time a TP-2 program beside a collective-heavy one")
+    json: bool = opt(False, "print one JSON object instead of the table")
+
+    def __post_init__(self):
+        if self.repeats < 1 or self.busy_threads < 0:
+            raise ValueError("need repeats >= 1 and busy-threads >= 0")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,19 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Time the calling thread's share of a weight push (TransferPlan vs "
                                             "per-array place_params), idle and beside busy threads; optionally "
                                             "whether collectives of disjoint device groups wait for each other.")
-    p.add_argument("--model", default="tiny", help="preset or checkpoint (default tiny)")
-    p.add_argument("--busy-threads", type=int, default=4, help="Python threads spinning beside the push (default 4)")
-    p.add_argument("--repeats", type=int, default=3, help="timed pushes per method and condition (default 3)")
-    p.add_argument("--collectives", action="store_true", help="also time a TP-2 program beside a collective-heavy one")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    return p
+    return add_config_arguments(p, PushConfig)
 
 
+@returns_exit_status
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.repeats < 1 or args.busy_threads < 0:
-        print("error: need repeats >= 1 and busy-threads >= 0", file=sys.stderr)
-        return 2
+    parser = build_parser()
+    args = config_from_args(PushConfig, parser.parse_args(argv), parser)
     from dilaserve_jax.serve import present_cpu_devices
 
     present_cpu_devices("8", 1)

@@ -16,13 +16,35 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
+from dilaserve_jax.core.cli import (add_config_arguments, config_from_args, opt, returns_exit_status,
+                                    setup_logging, words)
+from dilaserve_jax.core.kinds import CACHE_MODES
+
+log = logging.getLogger(__name__)
 SEQUENCE = ("8x1", "4+2+1+1", "1x8", "2x4")
+
+
+@dataclass(frozen=True, slots=True)
+class ReconfigureConfig:
+    sequence: tuple[str, ...] = opt(SEQUENCE, "comma-separated layouts after the initial 2x4", parse=words,
+                                    default_text=",".join(SEQUENCE))
+    passes: int = opt(2, "times through the sequence (2: cold, then warm)")
+    in_flight: int = opt(16, "requests kept in flight")
+    cache: str = opt("dual", "KV cache mode", aliases=("--cache-mode",), choices=CACHE_MODES)
+    slots: int = opt(4, "slots per instance")
+    json: bool = opt(False, "print one JSON object")
+
+    def __post_init__(self):
+        if not self.sequence or min(self.passes, self.in_flight, self.slots) < 1:
+            raise ValueError("need a --sequence and positive --passes, --in-flight and --slots")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,18 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Measure the phases, bytes and request pauses of live layout switches "
                                             "on the tiny model (8 fake CPU devices), and the controller's decision "
                                             "time for 8-64 devices.")
-    p.add_argument("--sequence", default=",".join(SEQUENCE), help=f"layouts after the initial 2x4 (default "
-                                                                   f"{','.join(SEQUENCE)})")
-    p.add_argument("--passes", type=int, default=2, help="times through the sequence (default 2: cold, then warm)")
-    p.add_argument("--in-flight", type=int, default=16, help="requests kept in flight (default 16)")
-    p.add_argument("--cache", default="dual", choices=("dual", "prefix", "none"))
-    p.add_argument("--slots", type=int, default=4)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    return p
+    return add_config_arguments(p, ReconfigureConfig)
 
 
+@returns_exit_status
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = config_from_args(ReconfigureConfig, parser.parse_args(argv), parser)
+    setup_logging(log)
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     switches = _measure_switches(args)
@@ -80,7 +98,7 @@ def _measure_switches(args) -> list[dict]:
     fake_tp_profile((1, 2, 4, 8)).save(profile)  # only orders the queue here; the switch costs are measured
     cfg = ServeConfig(model="tiny", mesh="2x4", slots=args.slots, length_buckets=(64,), block_buckets=(16,),
                       default_block_length=16, profile=profile, cache_mode=args.cache, controller="manual")
-    cluster = build_cluster(cfg, say=lambda m: print(m, file=sys.stderr))
+    cluster = build_cluster(cfg, say=log.info)
     cluster.start()
     cluster.warm_up()
     tok = cluster.tokenizer
@@ -112,7 +130,7 @@ def _measure_switches(args) -> list[dict]:
     loader = threading.Thread(target=keep_busy, daemon=True)
     loader.start()
     out = []
-    sequence = [s for s in args.sequence.split(",") if s]
+    sequence = list(args.sequence)
     bar = tqdm(total=len(sequence) * args.passes, desc="switches", file=sys.stderr)
     for k in range(args.passes):
         for spec in sequence:

@@ -14,34 +14,39 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 
+from dilaserve_jax.core.cli import add_config_arguments, config_from_args, opt, returns_exit_status, setup_logging
+
+log = logging.getLogger(__name__)
 DEFAULT_CYCLE = ("1x8", "2x4", "4x2", "8x1", "4+2+1+1", "1x8")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+@dataclass(frozen=True, slots=True)
+class ReshardConfig:
+    model: tuple[str, ...] = opt(("tiny", "llada_8b"), "model preset (repeatable)", repeat=True)
+    layers: int = opt(2, "layer cap for billion-parameter presets (2: llada_8b-shaped with 2 layers keeps its full "
+                         "126k x 4096 embeddings); small presets keep all their layers")
+    cycle: str = opt(",".join(DEFAULT_CYCLE), "comma-separated layouts to visit in order")
+    devices: int = opt(8, "fake CPU devices to create when running on CPU")
+    passes: int = opt(2, "times to go round the cycle (2: cold, warm)")
+    memory_budget_gb: float | None = opt(None, "skip transitions needing more", default_text="60% of available memory")
+    json: str | None = opt(None, "also write the results as JSON", metavar="PATH")
+
+    def __post_init__(self):
+        if self.passes < 1 or self.layers < 1 or self.devices < 1:
+            raise ValueError("--passes, --layers and --devices must be positive")
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dilaserve_jax.bench.reshard",
                                 description="Time and count the bytes of resharding model weights between device "
                                             "layouts (e.g. 1x8 -> 2x4 -> 8x1) on this machine's devices.")
-    p.add_argument("--model", action="append", default=None,
-                   help="model preset (repeatable; default: tiny and llada_8b)")
-    p.add_argument("--layers", type=int, default=2, help="layer cap for billion-parameter presets (default 2: "
-                                                         "llada_8b-shaped with 2 layers keeps its full 126k x 4096 "
-                                                         "embeddings); small presets keep all their layers")
-    p.add_argument("--cycle", default=",".join(DEFAULT_CYCLE), help="comma-separated layouts to visit in order "
-                                                                    f"(default {','.join(DEFAULT_CYCLE)})")
-    p.add_argument("--devices", type=int, default=8, help="fake CPU devices to create when running on CPU (default 8)")
-    p.add_argument("--passes", type=int, default=2, help="times to go round the cycle (default 2: cold, warm)")
-    p.add_argument("--memory-budget-gb", type=float, default=None,
-                   help="skip transitions needing more (default: 60%% of available memory)")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
-    args = p.parse_args(argv)
-    if args.passes < 1 or args.layers < 1 or args.devices < 1:
-        p.error("--passes, --layers and --devices must be positive")
-    args.model = args.model or ["tiny", "llada_8b"]
-    return args
+    return add_config_arguments(p, ReshardConfig)
 
 
 def _available_bytes() -> int:
@@ -150,8 +155,11 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+@returns_exit_status
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = config_from_args(ReshardConfig, parser.parse_args(argv), parser)
+    setup_logging(log)
     if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.devices}").strip()
@@ -160,15 +168,12 @@ def main(argv=None) -> int:
     if len(jax.devices()) < args.devices:
         raise SystemExit(f"need {args.devices} devices, have {len(jax.devices())} ({jax.default_backend()})")
     budget = int(args.memory_budget_gb * 2**30) if args.memory_budget_gb else int(0.6 * _available_bytes())
-
-    def log(msg):
-        print(msg, file=sys.stderr, flush=True)
-
-    log(f"jax {jax.__version__}, {args.devices} {jax.default_backend()} devices, memory budget {budget / 2**30:.1f} GiB")
+    log.info(f"jax {jax.__version__}, {args.devices} {jax.default_backend()} devices, memory budget "
+             f"{budget / 2**30:.1f} GiB")
     start = time.perf_counter()
-    rows = [row for name in args.model for row in bench_model(name, args, budget, log)]
+    rows = [row for name in args.model for row in bench_model(name, args, budget, log.info)]
     print(format_table(rows))
-    log(f"done in {time.perf_counter() - start:.1f} s")
+    log.info(f"done in {time.perf_counter() - start:.1f} s")
     if args.json:
         meta = {"jax": jax.__version__, "backend": jax.default_backend(), "devices": args.devices,
                 "passes": args.passes, "memory_budget_bytes": budget}
@@ -178,4 +183,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

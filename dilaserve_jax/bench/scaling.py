@@ -41,11 +41,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dilaserve_jax.bench.scaling_worker import answers_digest
+from dilaserve_jax.core.cli import opt
+from dilaserve_jax.core.kinds import CACHE_MODES
 from dilaserve_jax.models.config import ModelConfig
 
 WORKER = Path(__file__).with_name("scaling_worker.py")
 OWN_TREE = Path(__file__).resolve().parents[2]
-CACHES = ("none", "prefix", "dual")
+CACHES = CACHE_MODES
 BREAKDOWN_REPEATS = 5
 # Steps one breakdown takes inside the first block (τ 1: one commit each): the refresh after
 # admission, time_step_parts (2 * repeats + 1) and stage_profile (1 + 3).
@@ -58,16 +60,19 @@ SCALING_MODEL = ModelConfig(
 
 @dataclass(frozen=True, slots=True)
 class ScalingConfig:
-    batches: tuple[int, ...] = (1, 8, 16, 32, 64)
+    batches: tuple[int, ...] = opt((1, 8, 16, 32, 64), "with --scaling: batch sizes", name="--scaling-batches")
     caches: tuple[str, ...] = CACHES
     prompt: int = 32
     answer: int = 128
     block: int = 32
-    repeats: int = 3
-    breakdown_batches: tuple[int, ...] = (1, 8, 32)
-    breakdown_caches: tuple[str, ...] = ("dual",)
+    repeats: int = opt(3, "with --scaling: timed rounds after warm-up")
+    breakdown_batches: tuple[int, ...] = opt((1, 8, 32), "with --scaling: batch sizes of the per-step breakdown "
+                                                         "(none to skip)", nargs="*")
+    breakdown_caches: tuple[str, ...] = opt(("dual",), "with --scaling: cache modes of the per-step breakdown",
+                                            choices=CACHES)
     seed: int = 0
-    top_ops: int = 0  # the largest XLA operations of each breakdown step to list
+    top_ops: int = opt(0, "with --scaling: also list the N largest XLA operations of every breakdown step",
+                       metavar="N")
 
     def __post_init__(self):
         if not self.batches or min(self.batches) < 1 or min(self.breakdown_batches, default=1) < 1:

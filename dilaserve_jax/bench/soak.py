@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
+import logging
 import random
 import shutil
 import statistics
@@ -21,7 +21,14 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+
+from dilaserve_jax.core.cli import add_config_arguments, config_from_args, opt, returns_exit_status, setup_logging
+from dilaserve_jax.serve import DEFAULT_COMPILE_CACHE
+from dilaserve_jax.serving.cluster.autoscale import MODES
+
+log = logging.getLogger(__name__)
 
 BAD_REQUESTS = (  # (what, GenerateRequest fields): each must come back INVALID_ARGUMENT
     ("empty prompt", {"text": ""}),
@@ -35,35 +42,42 @@ BAD_REQUESTS = (  # (what, GenerateRequest fields): each must come back INVALID_
 BY_DESIGN = {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "CANCELLED"}
 
 
+@dataclass(frozen=True, slots=True)
+class SoakConfig:
+    requests: int = opt(10_000, "calls to send")
+    concurrency: int = opt(64, "calls in flight at once")
+    mesh: str = opt("2x4", "layout")
+    slots: int = opt(8, "slots per instance")
+    cancel_rate: float = opt(0.05, "share of calls cancelled by the client")
+    bad_rate: float = opt(0.05, "share of malformed calls")
+    slo_ms: float = opt(60_000.0, "slo_ms of every call")
+    controller: str = opt("manual", "cluster controller of the server (manual: the soak is about faults)",
+                          choices=MODES)
+    profile: str | None = opt(None, "step-latency profile JSON", default_text="measured at start-up, as serve does")
+    fault: bool = opt(True, "inject the instance failure midway")
+    reload: bool = opt(True, "reload the weights midway")
+    seed: int = opt(0, "prompt, cancellation and malformation seed")
+    compile_cache: str = opt(DEFAULT_COMPILE_CACHE, "persistent XLA compilation cache ('none' disables)")
+    json: bool = opt(False, "print the report as one JSON object")
+
+    def __post_init__(self):
+        if self.requests < 1 or self.concurrency < 1 or not 0 <= self.cancel_rate < 1 or not 0 <= self.bad_rate < 1:
+            raise ValueError("need requests, concurrency >= 1 and rates in [0, 1)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dilaserve_jax.bench.soak",
                                 description="Send many gRPC calls to an in-process `serve --mesh 2x4` with random "
                                             "cancellations, malformed calls, a weight reload and an injected "
                                             "instance failure midway; report how every call ended (lost must be 0).")
-    p.add_argument("--requests", type=int, default=10_000, help="calls to send (default 10000)")
-    p.add_argument("--concurrency", type=int, default=64, help="calls in flight at once (default 64)")
-    p.add_argument("--mesh", default="2x4", help="layout (default 2x4)")
-    p.add_argument("--slots", type=int, default=8, help="slots per instance (default 8)")
-    p.add_argument("--cancel-rate", type=float, default=0.05, help="share of calls cancelled by the client")
-    p.add_argument("--bad-rate", type=float, default=0.05, help="share of malformed calls")
-    p.add_argument("--slo-ms", type=float, default=60_000.0, help="slo_ms of every call (default 60000)")
-    p.add_argument("--controller", default="manual", choices=("auto", "paused", "manual"),
-                   help="cluster controller of the server (default manual: the soak is about faults)")
-    p.add_argument("--profile", help="step-latency profile JSON (default: measured at start-up, as serve does)")
-    p.add_argument("--no-fault", action="store_true", help="do not inject the instance failure")
-    p.add_argument("--no-reload", action="store_true", help="do not reload weights midway")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compile-cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dilaserve_jax", "xla"),
-                   help="persistent XLA compilation cache ('none' disables)")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    return p
+    return add_config_arguments(p, SoakConfig)
 
 
+@returns_exit_status
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.requests < 1 or args.concurrency < 1 or not 0 <= args.cancel_rate < 1 or not 0 <= args.bad_rate < 1:
-        print("error: need requests, concurrency >= 1 and rates in [0, 1)", file=sys.stderr)
-        return 2
+    parser = build_parser()
+    args = config_from_args(SoakConfig, parser.parse_args(argv), parser)
+    setup_logging(log)
     from dilaserve_jax.serve import present_cpu_devices
 
     present_cpu_devices(args.mesh, 1)
@@ -90,19 +104,18 @@ async def _soak(args) -> int:
     from dilaserve_jax.models.registry import save_model_config
     from dilaserve_jax.serving.executor.build import ServeConfig, build_cluster
 
-    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     enable_compile_cache(args.compile_cache)
     root = Path(tempfile.mkdtemp(prefix="dilaserve-soak-"))
     model = load_model("tiny")
     save_model_config(root / "tiny-copy", model.config)
     save_params(root / "tiny-copy", 1, model.params)
     cluster = build_cluster(ServeConfig(mesh=args.mesh, slots=args.slots, profile=args.profile,
-                                        controller=args.controller), say)
+                                        controller=args.controller), log.info)
     server = await start_server(cluster, ServerOptions(port=0, metrics_port=None, weights_roots=(str(root),)))
     cluster.start()
     await asyncio.to_thread(cluster.warm_up)
     await server.set_serving(True)
-    say(f"soak: {args.requests} calls, {args.concurrency} at a time, against {cluster.layout} on port {server.port}")
+    log.info(f"soak: {args.requests} calls, {args.concurrency} at a time, against {cluster.layout} on port {server.port}")
 
     rng = random.Random(args.seed)
     prompts = _prompts(args.seed)
@@ -154,11 +167,11 @@ async def _soak(args) -> int:
     async def faults() -> None:
         while bar.n < args.requests // 2:
             await asyncio.sleep(0.05)
-        if not args.no_reload:
+        if args.reload:
             t = time.perf_counter()
             reply = await stub.ReloadWeights(pb.ReloadWeightsRequest(directory=str(root / "tiny-copy")), timeout=600)
             events.append(f"reloaded {reply.model} in {time.perf_counter() - t:.2f} s at call {bar.n}")
-        if not args.no_fault:
+        if args.fault:
             victim = cluster.engines[0]
             real_step = victim.runner.step
 
