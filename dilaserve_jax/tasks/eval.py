@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 
 from dilaserve_jax.core.cli import add_config_arguments, config_from_args, opt, returns_exit_status, setup_logging
-from dilaserve_jax.core.kinds import CACHE_MODES
+from dilaserve_jax.core.kinds import CACHE_MODES, StepKind
 from dilaserve_jax.tasks.prompts import prompt_hash
 from dilaserve_jax.tasks.suite import SPLITS
 
