@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 

@@ -117,9 +117,17 @@ def returns_exit_status(main: Callable[..., int]) -> Callable[..., int]:
 
 
 class _Stderr(logging.StreamHandler):
-    """Writes to whatever sys.stderr is at the time (a test may have replaced it)."""
+    """Writes to whatever sys.stderr is now (a test may have replaced it): the command's own messages
+    as plain lines, the others as `fmt`."""
 
     stream = property(lambda self: sys.stderr, lambda self, value: None)
+
+    def __init__(self, own: str, fmt: str):
+        super().__init__()
+        self.own, self.plain, self.formatter = own, logging.Formatter("%(message)s"), logging.Formatter(fmt)
+
+    def format(self, record: logging.LogRecord) -> str:
+        return (self.plain if record.name == self.own else self.formatter).format(record)
 
 
 def setup_logging(log: logging.Logger | str = "__main__", *, verbose: bool = False, detailed: bool = False) -> None:
@@ -127,9 +135,7 @@ def setup_logging(log: logging.Logger | str = "__main__", *, verbose: bool = Fal
     command always printed them; other loggers print warnings and up (INFO too when `verbose`),
     plain, or with time, level and name when `detailed`. A second call replaces the first."""
     own = logging.getLogger(log) if isinstance(log, str) else log
-    plain, full = logging.Formatter("%(message)s"), logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handler = _Stderr()
-    handler.format = lambda record: (full if detailed and record.name != own.name else plain).format(record)
+    handler = _Stderr(own.name, "%(asctime)s %(levelname)s %(name)s: %(message)s" if detailed else "%(message)s")
     root = logging.getLogger()
     for old in [h for h in root.handlers if isinstance(h, _Stderr)]:
         root.removeHandler(old)
@@ -201,22 +207,18 @@ def _value(value, spec: Flag, hint):
 
 def _help(spec: Flag, default, is_bool: bool) -> str:
     if spec.default_text is not None:
-        text = spec.help + (f" (default: {spec.default_text})" if spec.default_text else "")
+        shown = f" (default: {spec.default_text})" if spec.default_text else ""
     else:
-        shown = _show(default, is_bool)
-        text = spec.help + (f" (default {shown})" if shown else "")
-    return text.replace("%", "%%")  # argparse %-formats help
+        value = "" if default is dataclasses.MISSING or default is None else _show(default, is_bool)
+        shown = f" (default {value})" if value else ""
+    return (spec.help + shown).replace("%", "%%")  # argparse %-formats help
 
 
-def _show(default, is_bool: bool) -> str:
-    if default is dataclasses.MISSING or default is None:
-        return ""
+def _show(value, is_bool: bool = False) -> str:
     if is_bool:
-        return "on" if default else "off"
-    if isinstance(default, (tuple, list, frozenset, set)):
-        return " ".join(_show(v, False) for v in default)
-    if isinstance(default, dict):
-        return json.dumps(default)
-    if isinstance(default, enum.Enum):
-        return str(default.value)
-    return f"{default:g}" if isinstance(default, float) else str(default)
+        return "on" if value else "off"
+    if isinstance(value, (tuple, list, frozenset, set)):
+        return " ".join(map(_show, value))
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    return json.dumps(value) if isinstance(value, dict) else f"{value:g}" if isinstance(value, float) else str(value)

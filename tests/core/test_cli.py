@@ -81,6 +81,7 @@ def test_help_says_what_each_flag_does_and_its_default(capsys, monkeypatch):
                  "comma-separated layouts (default: all of them)", "a colour (default red)"):
         assert text in out
     assert "s3cret" not in out  # ... which --help never shows
+    assert "a directory (repeatable) --token" in out  # an empty default is not shown
 
 
 def test_validation_errors_are_usage_errors_with_the_message(capsys):
