@@ -140,8 +140,8 @@ class ProfiledTimeRunner:
         self.runner.release(slot)
         self._shape.pop(slot, None)
 
-    def step(self, kind, slots, taus):
-        out = self.runner.step(kind, slots, taus)
+    def step(self, kind, slots, taus, blocks=None):
+        out = self.runner.step(kind, slots, taus, blocks)
         batch = bucket_for(len(slots), self._batches)
         canvas = max(self._shape[s][0] for s in slots)
         block = max(self._shape[s][1] for s in slots)

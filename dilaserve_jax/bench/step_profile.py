@@ -66,15 +66,16 @@ def _executable(decoder: SlotDecoder, refresh: bool, slots: list[int]):
 
 
 def _arguments(decoder: SlotDecoder, shape, slots: list[int], taus: list[float], executable):
-    """The step's slot indices and τ, on the devices and with the shardings `executable` takes them
-    (replicated, or split by slot shard)."""
+    """The step's per-row inputs (slot indices, τ and, in trees that take them, block starts), on
+    the devices and with the shardings `executable` takes them (replicated, or split by slot shard)."""
     if hasattr(decoder, "step_arguments"):
-        index, tau, _ = decoder.step_arguments(shape, slots, taus)
+        *inputs, _ = decoder.step_arguments(shape, slots, taus)
     else:  # a source tree from before step_arguments (timed side by side): slots in order, then padding
         pad = shape.batch - len(slots)
-        index, tau = slots + [decoder.num_slots] * pad, taus + [1.0] * pad
-    index_sharding, tau_sharding = executable.input_shardings[0][-2:]
-    return put_small(index, np.int32, index_sharding), put_small(tau, np.float32, tau_sharding)
+        inputs = [slots + [decoder.num_slots] * pad, taus + [1.0] * pad]
+    shardings = executable.input_shardings[0][-len(inputs):]
+    dtypes = (np.int32, np.float32, np.int32)
+    return tuple(put_small(x, dt, sh) for x, dt, sh in zip(inputs, dtypes, shardings))
 
 
 def time_step_parts(decoder: SlotDecoder, refresh: bool, slots: list[int], repeats: int = 5) -> dict:

@@ -83,7 +83,9 @@ class CompiledSteps:
             fn, rows = self._step_fn(shape, state, constrain)
             batch_in = jax.ShapeDtypeStruct((shape.batch,), jnp.int32, sharding=rows)
             taus_in = jax.ShapeDtypeStruct((shape.batch,), jnp.float32, sharding=rows)
-            lowered = jax.jit(fn, donate_argnums=1).lower(_abstract(params), _abstract(state), batch_in, taus_in)
+            blocks_in = jax.ShapeDtypeStruct((shape.batch,), jnp.int32, sharding=rows)
+            lowered = jax.jit(fn, donate_argnums=1).lower(_abstract(params), _abstract(state), batch_in, taus_in,
+                                                          blocks_in)
         executable = lowered.compile()
         self.compile_seconds += time.perf_counter() - t0
         self.compile_count += 1
@@ -97,14 +99,14 @@ class CompiledSteps:
         if shards == 1:
             step_fn = partial(decode_step, self.graphdef, shape=shape, cfg=self.cfg)
 
-            def fn(p, st, slots, taus):
-                new_state, out = step_fn(p, st, slots, taus)
+            def fn(p, st, slots, taus, blocks):
+                new_state, out = step_fn(p, st, slots, taus, blocks)
                 return constrain(new_state), out
             return fn, replicated_on(state.canvas.sharding)
         part = replace(shape, batch=shape.batch // shards)
         split = PartitionSpec(SLOTS_AXIS)
         fn = jax.shard_map(partial(decode_step, self.graphdef, shape=part, cfg=self.cfg),
-                           mesh=state.canvas.sharding.mesh, in_specs=(PartitionSpec(), split, split, split),
+                           mesh=state.canvas.sharding.mesh, in_specs=(PartitionSpec(), split, split, split, split),
                            out_specs=(split, split), check_vma=False)
         return fn, state.canvas.sharding
 

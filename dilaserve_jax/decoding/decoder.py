@@ -253,13 +253,18 @@ class SlotDecoder:
         eos = np.flatnonzero(ans == self.cfg.eos_id)
         return tuple(int(t) for t in ans[:int(eos[0]) if eos.size else ans.size])
 
-    def step(self, kind: StepKind, slots: Sequence[int], taus: Sequence[float]) -> list[SlotOutcome]:
+    def step(self, kind: StepKind, slots: Sequence[int], taus: Sequence[float],
+             blocks: Sequence[int] | None = None) -> list[SlotOutcome]:
         """One batched step of `kind` over `slots` with thresholds `taus`; outcomes in slot order
         (a finishing slot's carries its answer).
 
-        In cache mode none both kinds are a full forward. A reuse step of a slot that needs a
-        refresh (just admitted, or its previous block just finished) is an error; a refresh is
-        allowed at any step (it only makes the cache exact again).
+        blocks: each slot's current block (answer-relative block index) as a scheduler's plan says
+        it; the plan then owns the block and the step kind, and the decoder follows them. Without
+        it (offline decoding, where no scheduler exists) the decoder works both out itself: a slot
+        starts at the block its admission gave it and moves on when a step finishes the block, and
+        a reuse step of a slot that needs a refresh (just admitted or reloaded, or its previous
+        block just finished) is an error. A refresh is allowed at any step (it only makes the
+        cache exact again). In cache mode none both kinds are a full forward.
         """
         if not isinstance(kind, StepKind):  # a bool would read as an IntEnum value: REUSE for True
             raise TypeError(f"step kind must be a StepKind, got {kind!r}")
@@ -267,6 +272,8 @@ class SlotDecoder:
         slots, taus = [int(s) for s in slots], [float(t) for t in taus]
         if len(slots) != len(taus) or not slots:
             raise ValueError("need one τ per slot and at least one slot")
+        if blocks is not None:
+            self._follow_plan(slots, [int(b) for b in blocks])
         if len(set(slots)) != len(slots):
             raise ValueError(f"duplicate slots in a step: {slots}")
         for slot, tau in zip(slots, taus):
@@ -275,7 +282,7 @@ class SlotDecoder:
                 raise ValueError(f"τ must be in (0, 1], got {tau}")
             if info.finished:
                 raise ValueError(f"slot {slot} has finished; release it")
-            if not refresh and info.needs_refresh and self.config.cache_mode is not CacheMode.NONE:
+            if blocks is None and not refresh and info.needs_refresh and self.config.cache_mode is not CacheMode.NONE:
                 raise ValueError(f"slot {slot} needs a refresh step (new request or new block)")
         groups: dict[tuple[int, int], list[int]] = defaultdict(list)
         for i, slot in enumerate(slots):
@@ -286,6 +293,17 @@ class SlotDecoder:
             for i, res in zip(idx, self._run(shape, [slots[i] for i in idx], [taus[i] for i in idx])):
                 results[i] = res
         return results  # type: ignore[return-value]
+
+    def _follow_plan(self, slots: list[int], blocks: list[int]) -> None:
+        """Take each slot's current block from the caller's plan."""
+        if len(blocks) != len(slots):
+            raise ValueError(f"{len(blocks)} blocks for {len(slots)} slots")
+        for slot, b in zip(slots, blocks):
+            info = self._info(slot)
+            if not 0 <= b * info.block_len < info.answer_len:
+                raise ValueError(f"slot {slot}: block {b} is outside its answer of {info.answer_len} "
+                                 f"(blocks of {info.block_len})")
+            info.block_start = info.prompt_len + b * info.block_len
 
     def _shape(self, refresh: bool, slots: list[int], length: int, block: int) -> StepShape:
         shards = self.config.slot_shards  # every shard's part of the batch has the fullest shard's bucket
@@ -304,21 +322,24 @@ class SlotDecoder:
         return StepShape(StepType.PREFIX, batch, length, block, bucket_for(queries, prefix_query_buckets(length, block)))
 
     def step_arguments(self, shape: StepShape, slots: list[int], taus: list[float]) -> tuple:
-        """(slot indices [B], τ [B], batch row of each of `slots`) for a step of `shape`: the slots in
-        order then padding (index S, τ 1) — or, for a step that runs on the state where it lies
-        (decoding/steps.py `runs_in_place`), row r = slot r, index S where slot r is not stepped.
-        With slot shards, the same per shard: part d of the batch, indices local to shard d
-        (decoding/slot_shards.py)."""
+        """(slot indices [B], τ [B], block starts [B], batch row of each of `slots`) for a step of
+        `shape`: the slots in order then padding (index S, τ 1, block start -1) — or, for a step
+        that runs on the state where it lies (decoding/steps.py `runs_in_place`), row r = slot r,
+        index S where slot r is not stepped. With slot shards, the same per shard: part d of the
+        batch, indices local to shard d (decoding/slot_shards.py)."""
         in_place = runs_in_place(shape, self.num_slots, self.config.max_length)
         shards = self.config.slot_shards
-        return shard_rows(slots, taus, self.num_slots, shards, shape.batch // shards, in_place)
+        index, tau, rows = shard_rows(slots, taus, self.num_slots, shards, shape.batch // shards, in_place)
+        starts = np.full(index.shape, -1, np.int32)
+        starts[rows] = [self._slots[s].block_start for s in slots]
+        return index, tau, starts, rows
 
     def _run(self, shape: StepShape, slots: list[int], taus: list[float]) -> list[SlotOutcome]:
         exe = self.compiled.get(shape, self.params, self.state, self._placement)
-        index, tau, rows = self.step_arguments(shape, slots, taus)
+        index, tau, starts, rows = self.step_arguments(shape, slots, taus)
         # Host arrays go to the executable as they are: its own argument transfer (to the input
         # sharding it was compiled for) costs a fraction of a separate device_put per argument.
-        self.state, out = exe(self.params, self.state, index, tau)
+        self.state, out = exe(self.params, self.state, index, tau, starts)
         # np.asarray per field, not jax.device_get: half the host time of a batch-1 step (docs/decode_throughput.md)
         out = type(out)(*(np.asarray(field) for field in out))
         results = []

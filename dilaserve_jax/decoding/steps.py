@@ -1,6 +1,6 @@
 """The pure step functions: one denoising step over a gathered batch of slots, and admission.
 
-`decode_step(graphdef, params, state, slots, taus, shape=..., cfg=...)` gathers the slots' rows,
+`decode_step(graphdef, params, state, slots, taus, block_starts, shape=..., cfg=...)` gathers the slots' rows,
 runs one model forward (full canvas, or the current block / block + suffix against the cache),
 turns the commit window's hidden rows into proposals (decoding/proposal.py), commits by the
 threshold rule, and writes back what the step changed.
@@ -79,9 +79,12 @@ def _sampling_keys(seed, steps):
     return jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(seed, steps)
 
 
-def decode_step(graphdef, params, state: DecodeState, slots, taus, *, shape: StepShape,
+def decode_step(graphdef, params, state: DecodeState, slots, taus, block_starts, *, shape: StepShape,
                 cfg: ModelConfig) -> tuple[DecodeState, StepOutput]:
-    """One step of `shape.step` over slots [B] (padding rows = state.num_slots) with thresholds taus [B]."""
+    """One step of `shape.step` over slots [B] (padding rows = state.num_slots) with thresholds taus [B].
+
+    block_starts [B]: each row's current block (absolute position), as the caller's plan says; -1
+    keeps the slot's stored one (padding rows, and rows not stepped in a step on the whole state)."""
     length, block, n_q = shape.length, shape.block, shape.queries
     full_canvas = shape.step in (StepType.FULL, StepType.REFRESH)
     whole = runs_in_place(shape, state.num_slots, state.length)
@@ -91,7 +94,8 @@ def decode_step(graphdef, params, state: DecodeState, slots, taus, *, shape: Ste
 
         canvas = read(state.canvas)[:, :length]  # [B, length]
         prompt_len, answer_len = read(state.prompt_len), read(state.answer_len)
-        block_start, block_len = read(state.block_start), read(state.block_len)
+        block_start = jnp.where(block_starts >= 0, block_starts, read(state.block_start))
+        block_len = read(state.block_len)
         temperature = read(state.temperature)
         keys = _sampling_keys(read(state.seed), read(state.steps))
         cache = None if full_canvas else [LayerKV(read(kv.k)[:, :length], read(kv.v)[:, :length]) for kv in state.kv]

@@ -159,11 +159,14 @@ class ModelledRunner:
         if self.slots.pop(slot, None) is None:
             raise ValueError(f"slot {slot} is not admitted")
 
-    def step(self, kind: StepKind, slots: Sequence[int], taus: Sequence[float]) -> list[SlotOutcome]:
+    def step(self, kind: StepKind, slots: Sequence[int], taus: Sequence[float],
+             blocks: Sequence[int] | None = None) -> list[SlotOutcome]:
         if not slots or len(slots) != len(taus):
             raise ValueError("need one τ per slot and at least one slot")
         states = [self.slots[s] for s in slots]
-        for s, st in zip(slots, states):
+        for s, st, b in zip(slots, states, blocks if blocks is not None else [None] * len(slots)):
+            if b is not None and b != st.progress.block:
+                raise ValueError(f"slot {s}: the plan says block {b}, its canvas is in block {st.progress.block}")
             if st.needs_refresh != (kind == StepKind.REFRESH):
                 raise ValueError(f"slot {s} needs {'REFRESH' if st.needs_refresh else 'REUSE'}, got {kind.name}")
         dt = self.step_time.batch_seconds(kind, [(st.prompt_len + st.plan.answer_length, st.plan.block_length)

@@ -102,7 +102,7 @@ def test_kv_cache_sharded_over_kv_heads_gives_the_same_tokens(sharp_model):
             kind = StepKind.REFRESH if runner.decoder.needs_refresh(0) else StepKind.REUSE
             if runner.step(kind, [0], [0.7])[0].request_finished:
                 break
-        results.append(runner.canvas(0))
+        results.append(runner.decoder.canvas(0))
     assert results[0] == results[1]
     assert sharded.decoder.state.kv[0].k.sharding.is_equivalent_to(kv_heads_split, 4)  # stays split after steps
     keys = {key[1] for key in plain.compiled.executables}

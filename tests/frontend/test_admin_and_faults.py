@@ -136,7 +136,7 @@ def test_request_ids_are_cluster_wide_and_returned():
 
 
 class FailingRunner(CharFakeRunner):
-    def step(self, kind, slots, taus):
+    def step(self, kind, slots, taus, blocks=None):
         raise RuntimeError("device on fire (injected)")
 
 

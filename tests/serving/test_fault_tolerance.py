@@ -27,14 +27,14 @@ class FaultyRunner(FakeRunner):
         super().__init__(*a, **kw)
         self.fail_at, self.hang_s, self.calls = fail_at, hang_s, 0
 
-    def step(self, kind, slots, taus):
+    def step(self, kind, slots, taus, blocks=None):
         self.calls += 1
         if self.calls == self.fail_at:
             if self.hang_s:
                 time.sleep(self.hang_s)
             else:
                 raise RuntimeError("device lost (injected)")
-        return super().step(kind, slots, taus)
+        return super().step(kind, slots, taus, blocks)
 
 
 class DyingScheduler(Scheduler):

@@ -52,7 +52,7 @@ def _replay(dec: SlotDecoder, req) -> tuple[list[int], list[int]]:
     committed = []
     for i, rec in enumerate(req.steps):
         assert (rec.kind == StepKind.REFRESH) == dec.needs_refresh(0), f"{req.id}: step {i} kind differs"
-        out = dec.step(rec.kind == StepKind.REFRESH, [0], [rec.tau])[0]
+        out = dec.step(rec.kind, [0], [rec.tau])[0]
         committed.append(out.n_committed)
         assert out.request_finished == (i == len(req.steps) - 1), f"{req.id}: finished at a different step"
     answer = dec.answer(0)

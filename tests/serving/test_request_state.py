@@ -52,3 +52,32 @@ def test_bad_request_rejected(kw):
     args.update(kw)
     with pytest.raises(ValueError):
         Request(**args)
+
+
+def test_the_plan_carries_each_requests_block_and_the_fake_runner_checks_it():
+    from dilaserve_jax.serving.cluster.fake_runner import FakeRunner
+    from dilaserve_jax.serving.policy.request import make_request
+    from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
+    from dilaserve_jax.serving.policy.latency import LatencyModel
+    from dilaserve_jax.serving.cluster.fake_runner import fake_profile
+
+    runner = FakeRunner(2)
+    sch = Scheduler(SchedulerConfig(num_slots=2, policy="edf-static"), LatencyModel.from_profile(fake_profile()))
+    sch.add(make_request("a", (1, 2, 3), 16, 8, 0.0, 100.0), 0.0)
+    seen = []
+    for _ in range(100):
+        plan = sch.schedule(runner.clock())
+        if plan is None:
+            break
+        for slot in plan.releases:
+            runner.release(slot)
+        for a in plan.admits:
+            runner.admit(a.slot, a.prompt_tokens, a.answer_length, a.block_length)
+        if plan.has_step:
+            assert plan.blocks == tuple(sch.running[s].block_index for s in plan.slots)
+            seen.extend(plan.blocks)
+            sch.update(plan, runner.step(plan.kind, plan.slots, plan.taus, plan.blocks), runner.clock())
+    assert set(seen) == {0, 1}  # both blocks of the answer were stepped, each named by the plan
+    runner.admit(1, (1, 2, 3), 16, 8)
+    with pytest.raises(ValueError, match="plan says block 1"):
+        runner.step(StepKind.REFRESH, [1], [0.9], [1])

@@ -216,7 +216,7 @@ class Engine:
                 self._publish()
             return True
         t0 = self.clock()
-        outcomes = self._runner_calls(lambda: runner.step(plan.kind, plan.slots, plan.taus))
+        outcomes = self._runner_calls(lambda: runner.step(plan.kind, plan.slots, plan.taus, plan.blocks))
         t1 = self.clock()
         with self._owner:
             if self._state == EngineState.FAILED:  # taken over while the step ran: not ours any more

@@ -56,8 +56,9 @@ class JaxRunner:
     def release(self, slot: int) -> None:
         self.decoder.release(slot)
 
-    def step(self, kind: StepKind, slots: Sequence[int], taus: Sequence[float]) -> list[SlotOutcome]:
-        return self.decoder.step(StepKind(kind), slots, taus)
+    def step(self, kind: StepKind, slots: Sequence[int], taus: Sequence[float],
+             blocks: Sequence[int] | None = None) -> list[SlotOutcome]:
+        return self.decoder.step(StepKind(kind), slots, taus, blocks)
 
     def reload(self, params) -> None:
         """Swap weights between steps (e.g. after resharding); same tree structure."""

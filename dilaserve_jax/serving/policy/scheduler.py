@@ -264,7 +264,7 @@ class Scheduler:
         for r in self.running.values():
             r.steps_skipped = 0 if r.id in in_batch else r.steps_skipped + 1
         return StepPlan(now, kind if batch else None, tuple(r.slot for r in batch), tuple(r.id for r in batch),
-                        taus, admits, releases)
+                        taus, admits, releases, tuple(r.block_index for r in batch))
 
     def _tau(self, req: Request) -> float:
         if self.cfg.adaptive:

@@ -29,9 +29,13 @@ class Runner(Protocol):
     def release(self, slot: int) -> None:
         """Forget the slot's request; the slot may be admitted into again."""
 
-    def step(self, kind: StepKind, slots: Sequence[int], taus: Sequence[float]) -> list[SlotOutcome]:
-        """One batched step of `kind` over `slots` (τ per slot); one outcome per slot, same order.
-        A finishing slot's outcome carries its answer."""
+    def step(self, kind: StepKind, slots: Sequence[int], taus: Sequence[float],
+             blocks: Sequence[int] | None = None) -> list[SlotOutcome]:
+        """One batched step of `kind` over `slots`, with a τ and the current block (answer-relative
+        block index) per slot, as the scheduler's plan says: the request owns its block and whether
+        its next step is a refresh, and the runner follows (the engine always passes `blocks`;
+        without them a runner keeps track itself, for offline use and tests). One outcome per slot,
+        same order; a finishing slot's outcome carries its answer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +53,8 @@ class Admission:
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """One engine iteration: release slots, admit requests, then (if `slots`) run one step.
+    """One engine iteration: release slots, admit requests, then (if `slots`) run one step of
+    `kind` over `slots`, each with its τ and its request's current block (`blocks`).
 
     Releases come first so a freed slot can be admitted into in the same plan.
     """
@@ -61,10 +66,11 @@ class StepPlan:
     taus: tuple[float, ...] = ()
     admits: tuple[Admission, ...] = ()
     releases: tuple[int, ...] = ()
+    blocks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not (len(self.slots) == len(self.request_ids) == len(self.taus)):
-            raise ValueError("slots, request_ids and taus must have the same length")
+        if not (len(self.slots) == len(self.request_ids) == len(self.taus) == len(self.blocks)):
+            raise ValueError("slots, request_ids, taus and blocks must have the same length")
         if self.slots and self.kind is None:
             raise ValueError("a plan with slots needs a step kind")
         if len(set(self.slots)) != len(self.slots):
