@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from dilaserve_jax.core.buckets import bucket_for, powers_of_two_up_to  # noqa: F401  (the rule lives in core)
+from dilaserve_jax.core.buckets import powers_of_two_up_to
 from dilaserve_jax.core.kinds import CacheMode
 from dilaserve_jax.decoding.shift import dual_queries
 

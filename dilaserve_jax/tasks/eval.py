@@ -84,7 +84,7 @@ def _reference_decoder(model, block_length: int, cache_mode: str):
 def _slot_decoder(model, block_length: int, cache_mode: str, num_slots: int = 16):
     """A SlotDecoder for the suite's prompts that compiles only the shapes a run uses."""
     try:
-        from dilaserve_jax.core.kinds import StepKind, CacheMode
+        from dilaserve_jax.core.kinds import CacheMode
         from dilaserve_jax.decoding.decoder import DecoderConfig, SlotDecoder
     except ImportError as err:
         raise ValueError(f"the fast decoding path is not available ({err}); use --decoder reference") from None
