@@ -202,8 +202,8 @@ async def _soak(args) -> int:
         "cancelled": outcomes["CANCELLED"], "lost": lost, "outcomes": dict(outcomes),
         "p50_latency_s": statistics.median(lat) if lat else None,
         "p99_latency_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None,
-        "wall_s": wall, "events": events, "failures": state["failures"], "migrations": state["migrations"],
-        "reloads": state["reloads"], "layout": state["layout"],
+        "wall_s": wall, "events": events, "failures": dict(state.failures), "migrations": dict(state.migrations),
+        "reloads": state.reloads, "layout": state.layout,
     }
     if args.json:
         print(json.dumps(report))
@@ -213,7 +213,7 @@ async def _soak(args) -> int:
         print(f"calls {report['calls']}, completed {report['completed']}, rejected by design "
               f"{report['rejected_by_design']}, cancelled {report['cancelled']}, lost {lost}; latency p50 "
               f"{_ms(report['p50_latency_s'])}, p99 {_ms(report['p99_latency_s'])}; {wall:.0f} s "
-              f"({report['calls'] / wall:.1f} calls/s); moved by failure: {state['migrations'].get('failure', 0)}")
+              f"({report['calls'] / wall:.1f} calls/s); moved by failure: {state.migrations.get('failure', 0)}")
         if lost:
             print("lost calls by status: " + ", ".join(f"{k}: {v}" for k, v in outcomes.items()
                                                        if k not in BY_DESIGN and k != "OK"))
