@@ -1,11 +1,11 @@
 """`python -m dilaserve_jax.bench.sim_validate`: the simulator against the real engine on the same requests.
 
-1. The real side is `bench.policies`'s, its serving loop included (`Bench.serve`): the tiny model on
-   one instance (Engine + JaxRunner, real clock, in-process), its step-latency profile measured on
-   the workload's shapes, each pool prompt's idle latency and the instance's capacity; then, per
-   load level, one Poisson trace of pool prompts with SLO = uniform(2, 6) × the prompt's idle
-   latency, served by every policy. Every step's duration and shapes and the wall time of every
-   engine iteration are recorded (`Bench.last_timing`).
+1. The real side is `bench.policies`'s (`bench/policies_bench.py`), its serving loop included
+   (`Bench.serve`): the tiny model on one instance (Engine + JaxRunner, real clock, in-process), its
+   step-latency profile measured on the workload's shapes, each pool prompt's idle latency and the
+   instance's capacity; then, per load level, one Poisson trace of pool prompts with SLO =
+   uniform(2, 6) × the prompt's idle latency, served by every policy. Every step's duration and
+   shapes and the wall time of every engine iteration are recorded (`Bench.last_timing`).
 2. The simulated side, fed only what the real run measured: its step times per shape (the median
    of the run's own compiled calls of each kind, padded batch, length bucket and block; the
    start-up profile where a shape never occurred; `--step-source profile` uses the start-up profile
@@ -198,7 +198,7 @@ def format_rows(rows: list[dict]) -> str:
 
 def measure_real(cfg: ValidateConfig) -> dict:
     """The real side (JAX): everything the simulated side is fed, as plain JSON."""
-    from dilaserve_jax.bench.policies import Bench, BenchConfig
+    from dilaserve_jax.bench.policies_bench import Bench, BenchConfig
     from dilaserve_jax.decoding.compiled import enable_compile_cache
 
     enable_compile_cache(cfg.compile_cache)
@@ -206,7 +206,7 @@ def measure_real(cfg: ValidateConfig) -> dict:
     bench_cfg = BenchConfig(model="tiny", load_factors=cfg.load_factors, duration=cfg.duration,
                             slo_range=cfg.slo_range, slots=cfg.slots, per_task=cfg.per_task, seed=cfg.seed)
     t_start = time.perf_counter()
-    bench = Bench(bench_cfg, log.info, cfg.progress)
+    bench = Bench(bench_cfg, cfg.progress, log)
     bench.build()
     idle, cap = bench.capacity()
     log.info(f"capacity at τ={bench_cfg.static_tau}: {cap:.2f} req/s; idle latency mean {1e3 * np.mean(idle):.0f} ms")

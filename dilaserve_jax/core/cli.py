@@ -2,9 +2,10 @@
 are written once, on the field (`slots: int = opt(16, "decode slots per instance")`).
 
 `add_config_arguments(parser, Config)` adds `--kebab-name` per field (bools as `--x/--no-x`, Enum
-and `choices` fields as choices, tuples as several values, `T | None` as a T); the namespace keeps
-argparse's names for the flags (`--cache` -> `args.cache`). `config_from_args(Config, args, parser)`
-builds the dataclass, whose `__post_init__` validates: a ValueError is a usage error (exit 2).
+and `choices` fields as choices, tuples as several values (each read by a `parse` given with
+`nargs`), `T | None` as a T); the namespace keeps argparse's names for the flags (`--cache` ->
+`args.cache`). `config_from_args(Config, args, parser)` builds the dataclass, whose `__post_init__`
+validates: a ValueError is a usage error (exit 2).
 `setup_logging` prints a command's log messages as the plain lines it always printed.
 """
 from __future__ import annotations
@@ -35,7 +36,8 @@ class Flag:
     name: str | None = None  # the flag's spelling when it is not the field's ("--cache" for cache_mode)
     aliases: tuple[str, ...] = ()  # further spellings that work too (older names)
     choices: tuple | None = None  # allowed values; an Enum field's are its values
-    parse: Callable[[str], object] | None = None  # the flag's text -> the field's value ("4-7" -> (4, 5, 6, 7))
+    # the flag's text -> the field's value ("4-7" -> (4, 5, 6, 7)); a tuple field's with nargs: each value's
+    parse: Callable[[str], object] | None = None
     metavar: str | None = None
     default_text: str | None = None  # what --help says the default is, when its value does not say it
     env: str | None = None  # an environment variable that, when set, is the default
@@ -152,7 +154,7 @@ def _add(target, f: dataclasses.Field, hint, spec: Flag, rename: str | None) -> 
         default = os.environ[spec.env]
     kw: dict = {"metavar": spec.metavar} if spec.metavar else {}
     element, choices = base, spec.choices
-    if typing.get_origin(base) is tuple and spec.parse is None:
+    if typing.get_origin(base) is tuple and (spec.parse is None or spec.nargs):
         args = typing.get_args(base)
         element = args[0] if args else str
         if spec.repeat:
@@ -199,7 +201,8 @@ def _value(value, spec: Flag, hint):
         return spec.parse(value)
     if typing.get_origin(base) is tuple and isinstance(value, list):
         args = typing.get_args(base)
-        return tuple(_value(v, Flag(""), args[0]) for v in value) if Ellipsis in args else tuple(value)
+        each = Flag("", parse=spec.parse)  # with nargs, the parse reads each value
+        return tuple(_value(v, each, args[0]) for v in value) if Ellipsis in args else tuple(value)
     if isinstance(base, type) and issubclass(base, enum.Enum) and value is not None:
         return base(value)
     return value
