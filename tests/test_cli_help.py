@@ -5,7 +5,7 @@ import pytest
 
 COMMANDS = ("serve", "generate", "client", "tasks.train", "tasks.eval", "sim.__main__", "sim.evaluate",
             *(f"bench.{b}" for b in ("attention", "decode", "overlap", "profile", "push", "reconfigure", "reshard",
-                                     "serving", "soak")))
+                                     "serving", "soak", "policies", "sim_validate")))
 CACHE_FLAG = ("serve", "tasks.eval", "bench.profile", "bench.reconfigure")
 
 
