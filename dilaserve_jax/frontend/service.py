@@ -29,6 +29,7 @@ from dilaserve_jax.serving.policy.router import NoInstanceAvailable
 log = logging.getLogger(__name__)
 END_MARK = "\u00b7"  # canvas positions after the answer's end (EOS)
 UNAVAILABLE_ERRORS = (EngineUnavailable, NoInstanceAvailable)
+DRAINING = "server is draining; retry on another replica"
 
 
 class DiLaServeService(pb_grpc.DiLaServeServicer):
@@ -120,6 +121,13 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
         log.info("controller mode: %s", request.mode)
         return self._cluster_state()
 
+    # --- availability ---
+    def refusal(self) -> str | None:
+        """Why a Generate call would be answered UNAVAILABLE now, or None when it would be accepted
+        (draining, warming up, no instance up). GetClusterState's `serving` is this being None, so
+        the two never disagree."""
+        return DRAINING if self.draining else self.cluster.refusal()
+
     # --- draining ---
     async def drain(self, grace_s: float) -> bool:
         """Refuse new calls and wait up to grace_s for in-flight ones; True if all finished."""
@@ -137,7 +145,7 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
                                          "quality": _quality(inst.quality)}) for inst in state.instances]
         return pb.ClusterState(
             layout=state.layout, policy=state.policy, model=state.model, family=state.family,
-            serving=not self.draining and any(i.up for i in state.instances),
+            serving=self.refusal() is None,
             instances=instances, failures={k: bounded(v, 512) for k, v in state.failures.items()},
             migrations=state.migrations, reloads=state.reloads, in_flight=state.in_flight,
             controller_mode=state.controller.mode, decisions=state.controller.decisions,
@@ -146,10 +154,10 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
 
     async def _run(self, request, context, stream: bool):
         await _check_parsed(request, context)
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
-        if not self.cluster.ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is still compiling and warming up")
+        refusal = self.refusal()
+        if refusal is not None:
+            self._count("unavailable")
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, refusal)
         try:
             spec = validate(request, self.cluster.tokenizer, self.cluster.limits)
         except InvalidRequest as err:

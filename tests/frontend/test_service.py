@@ -170,6 +170,33 @@ def test_health_not_serving_until_ready_then_serving_then_not_serving_on_drain()
         server.stop()
 
 
+def test_cluster_state_says_serving_exactly_when_generate_is_accepted():
+    """GetClusterState.serving and Generate read one predicate: false while the engines are created
+    and while they run but warm up, true once a call is accepted, false again while draining."""
+    server = ServerThread(fake_cluster())
+
+    def observed(c):
+        serving = c.cluster_state().serving
+        try:
+            c.generate("probe", max_new_tokens=16)
+            return serving, "accepted"
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+            return serving, err.details()
+
+    try:
+        with server.client(retries=False) as c:
+            assert observed(c) == (False, "server is still compiling and warming up")
+            server.cluster.start()  # engines running, warm-up not done
+            assert observed(c) == (False, "server is still compiling and warming up")
+            server.cluster.warm_up()
+            assert observed(c) == (True, "accepted")
+            server.running.service.draining = True
+            assert observed(c) == (False, "server is draining; retry on another replica")
+    finally:
+        server.stop()
+
+
 def test_drain_lets_in_flight_requests_finish():
     server = ServerThread(fake_cluster(instances=1, slots=2, step_scale=5.0)).ready()
     results = []

@@ -35,13 +35,14 @@ from dilaserve_jax.serving.cluster.state import NO_CONTROLLER, CheckpointWatchSt
 from dilaserve_jax.serving.cluster.weights_swap import NewWeights, ReloadReport, swap_weights
 from dilaserve_jax.serving.policy.limits import DEFAULT_STEP_TIMEOUT_S
 from dilaserve_jax.serving.policy.request import Request
-from dilaserve_jax.serving.policy.router import Router
+from dilaserve_jax.serving.policy.router import Router, no_instance_reason
 from dilaserve_jax.serving.policy.snapshots import EngineSnapshot
 
 __all__ = ["Cluster", "ClusterBusy", "DuplicateRequest", "InstanceInfo"]
 log = logging.getLogger(__name__)
 
 Listener = Callable[[str, dict], None]  # (event, details): "failure", "migration", "reload", "reconfigure"
+WARMING_UP = "server is still compiling and warming up"
 
 
 class Cluster:
@@ -153,12 +154,22 @@ class Cluster:
                instance: str | None = None) -> RequestHandle:
         """Place a request (on `instance` while it is healthy, else where the router says)."""
         if not self.ready:
-            raise EngineUnavailable("server is still compiling and warming up")
+            raise EngineUnavailable(WARMING_UP)
         handle = self._requests.add(request, on_progress, instance)
         now = self.clock()
         for observe in self._observers:
             observe(request, now)
         return handle
+
+    def refusal(self) -> str | None:
+        """Why `submit` would refuse a request now, or None when it would take one: refused before
+        warm-up ends, and while no instance is up unless a reconfiguration holds arrivals for the
+        instances it is bringing up."""
+        if not self.ready:
+            return WARMING_UP
+        if not self.healthy_engines and not self._requests.holding:
+            return no_instance_reason(self.snapshots())
+        return None
 
     def abort(self, request_id: str) -> bool:
         return self._requests.abort(request_id)

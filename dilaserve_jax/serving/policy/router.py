@@ -61,7 +61,12 @@ class Router:
         """The instance to send `request` to, with its own predicted seconds there."""
         healthy = [s for s in snapshots if s.healthy and s.name not in exclude]
         if not healthy:
-            down = "; ".join(f"{s.name}: " + ("unavailable" if s.healthy else s.state.name.lower())
-                             + (f" ({s.error})" if s.error else "") for s in snapshots)
-            raise NoInstanceAvailable(f"no instance is serving ({down or 'none configured'})")
+            raise NoInstanceAvailable(no_instance_reason(snapshots))
         return min((placement(s, request, now) for s in healthy), key=lambda p: p.finish)
+
+
+def no_instance_reason(snapshots: Sequence[EngineSnapshot]) -> str:
+    """What a caller is told when no instance can take a request: each instance's state and fault."""
+    down = "; ".join(f"{s.name}: " + ("unavailable" if s.healthy else s.state.name.lower())
+                     + (f" ({s.error})" if s.error else "") for s in snapshots)
+    return f"no instance is serving ({down or 'none configured'})"
