@@ -276,3 +276,43 @@ def test_the_pool_keeps_the_scatter_of_the_measured_drop_within_the_budget():
     budget.set_evidence(small, SAFE_COUNTS)  # identified as safe: a small, well-understood spend
     budget.join(small)
     assert budget.grant([small], {"s": 0.7}, {}, {"s": [0.9, 0.8, 0.7]})["s"] == 0.7
+
+
+def _summary_rows(points, n):
+    return [{"task": "mean:all", "kind": "summary", "threshold": t, "accuracy": a, "tokens_per_step": 1 / t,
+             "steps": 64 * t, "n": n} for t, a in points]
+
+
+def test_the_default_ceiling_is_the_accuracy_plateau_of_the_shipped_rows():
+    plateau = AccuracyModel.from_eval(Path(__file__).parents[2] / "dilaserve_jax/assets/tiny/eval.json").plateau()
+    assert plateau.tau == 0.9 and plateau.best_tau == 1.0  # 96.5% at 0.9 against 97.25% at 1.0, n = 400 each
+    assert "95% interval" in plateau.describe()
+
+
+def test_the_published_llada_table_has_its_plateau_at_0_9():
+    # Fast-dLLM's LLaDA-8B GSM8K figures (the two published points, n = the 1,319 test problems)
+    assert AccuracyModel.from_eval(_summary_rows([(1.0, 0.793), (0.9, 0.792)], 1319)).plateau().tau == 0.9
+
+
+def test_rows_without_a_plateau_keep_the_ceiling_at_the_best_tau():
+    steep = _summary_rows([(1.0, 0.97), (0.9, 0.90), (0.8, 0.80), (0.7, 0.70)], 400)
+    assert AccuracyModel.from_eval(steep).plateau().tau == 1.0
+    # a plateau that ends: the walk down stops at the first τ told apart from the best
+    ends = _summary_rows([(1.0, 0.95), (0.9, 0.95), (0.8, 0.94), (0.7, 0.80), (0.6, 0.95)], 400)
+    assert AccuracyModel.from_eval(ends).plateau().tau == 0.8
+    # the fewer problems behind each figure, the wider the plateau
+    few = _summary_rows([(1.0, 0.97), (0.9, 0.90), (0.8, 0.80)], 20)
+    assert AccuracyModel.from_eval(few).plateau().tau == 0.8
+
+
+def test_the_budget_reference_stays_fixed_when_a_request_raises_its_own_tau_max():
+    model = AccuracyModel.from_eval(eval_rows())
+    budget = QualityBudget(QualityConfig(model, max_accuracy_drop=1.0, reference_tau=0.9, mode="floor"))
+    at_ceiling, asks_more = Request("a", (1,), 64, 16, 0.0, 1.0, tau_max=0.9), Request("b", (1,), 64, 16, 0.0, 1.0)
+    assert budget.reference(at_ceiling) == budget.reference(asks_more) == 0.9
+    assert budget.loss(asks_more, 0.7) == budget.loss(at_ceiling, 0.7) == pytest.approx(model.loss(0.7, 0.9))
+    assert budget.loss(asks_more, 0.95) == 0.0  # above the reference: latency, no loss and no gain
+    own_lower = Request("c", (1,), 64, 16, 0.0, 1.0, tau_max=0.7)
+    assert budget.reference(own_lower) == 0.7 and budget.loss(own_lower, 0.7) == 0.0  # its own choice
+    free = QualityBudget(QualityConfig(model, max_accuracy_drop=1.0, mode="floor"))  # no reference: its own τ_max
+    assert free.loss(asks_more, 0.9) == pytest.approx(model.loss(0.9, 1.0))

@@ -68,7 +68,7 @@ def test_engine_answers_equal_the_decoding_path_at_the_same_tau_sequence():
     profile = measure_profile(runner, batches=(1, 2, 3, 4), lengths=(LENGTH,), blocks=(8, 16), repeats=2,
                               progress=False)
     latency = LatencyModel.from_profile(profile)
-    sched = Scheduler(SchedulerConfig(SLOTS, policy="dilaserve", reject_infeasible=False), latency)
+    sched = Scheduler(SchedulerConfig(SLOTS, policy="dilaserve"), latency)
     rng = np.random.default_rng(1)
     shapes = [(8, 8), (16, 8), (16, 16), (32, 8), (32, 16)]  # (answer length, block length)
     specs, arrival = [], 0.0

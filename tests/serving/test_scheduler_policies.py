@@ -145,7 +145,7 @@ def test_no_request_waits_forever_under_steady_stream(latency, policy):
 
 
 def test_admission_control_says_why(latency):
-    engine, clock = make_engine(latency, slots=1, max_queue=2)
+    engine, clock = make_engine(latency, slots=1, max_queue=2, admission="strict")
     hs = [engine.submit(req("tight", 0.0, 1e-4))]
     hs += [engine.submit(req(f"q{i}", 0.0, 100.0)) for i in range(4)]
     engine.step_once()
@@ -154,3 +154,36 @@ def test_admission_control_says_why(latency):
     assert "queue full" in reasons["q3"] and "queue full" in reasons["q2"]
     assert "infeasible even at tau_min" in reasons["tight"]
     assert all(h.result(0).state == RequestState.FINISHED_REJECTED for h in hs if h.done())
+
+
+@pytest.mark.parametrize("policy", ["dilaserve", "edf-static", "fcfs-static"])
+def test_best_effort_serves_a_hopeless_request_after_the_feasible_ones(latency, policy):
+    """By default a request that cannot meet its deadline even at τ_min is served, late; with
+    dilaserve it goes after every request that can still meet its own."""
+    engine, clock = make_engine(latency, slots=1, policy=policy)
+    hopeless = engine.submit(req("hopeless", 0.0, 1e-4, answer=16))
+    feasible = [engine.submit(req(f"ok{i}", 0.0, 100.0, answer=16)) for i in range(3)]
+    engine.run_until_idle()
+    late = hopeless.result(0)
+    assert late.state == RequestState.FINISHED_OK and not late.deadline_met and late.tokens
+    assert all(h.result(0).state == RequestState.FINISHED_OK and h.result(0).deadline_met for h in feasible)
+    if policy == "dilaserve":
+        assert late.finish >= max(h.result(0).finish for h in feasible)  # the victim goes last
+
+
+def test_strict_admission_refuses_a_hopeless_request_and_a_request_may_ask_for_either(latency):
+    engine, clock = make_engine(latency, slots=1, admission="strict")
+    refused = engine.submit(req("hopeless", 0.0, 1e-4, answer=16))
+    own = req("asks-best-effort", 0.0, 1e-4, answer=16)
+    own.strict_admission = False
+    served = engine.submit(own)
+    engine.run_until_idle()
+    assert refused.result(0).state == RequestState.FINISHED_REJECTED
+    assert "strict admission" in refused.result(0).reject_reason
+    assert served.result(0).state == RequestState.FINISHED_OK
+    engine, _ = make_engine(latency, slots=1)
+    strict = req("asks-strict", 0.0, 1e-4, answer=16)
+    strict.strict_admission = True
+    h = engine.submit(strict)
+    engine.run_until_idle()
+    assert h.result(0).state == RequestState.FINISHED_REJECTED

@@ -29,8 +29,8 @@ from dilaserve_jax.serving.policy.controller import ClusterController, Controlle
 from dilaserve_jax.serving.executor.instances import JaxInstanceBuilder, instance_info, instance_name
 from dilaserve_jax.serving.policy.latency import LatencyModel, Profile
 from dilaserve_jax.serving.policy.limits import Limits
-from dilaserve_jax.serving.policy.quality import BUDGET_MODES
-from dilaserve_jax.serving.policy.scheduler import POLICIES
+from dilaserve_jax.serving.policy.quality import BUDGET_MODES, AccuracyModel
+from dilaserve_jax.serving.policy.scheduler import ADMISSION_MODES, POLICIES
 from dilaserve_jax.serving.policy.eval_rows import describe_priors, eval_rows_beside, read_eval_rows
 from dilaserve_jax.serving.policy.threshold import ThresholdConfig
 
@@ -56,7 +56,13 @@ class ServeConfig:
                                       "model's answer area for its short tasks; raise it for real checkpoints)")
     default_block_length: int = defaults.DEFAULT_BLOCK_LENGTH
     tau_min: float = opt(defaults.DEFAULT_TAU_MIN, "default quality floor")
-    tau_max: float = opt(defaults.DEFAULT_TAU_MAX, "default threshold ceiling")
+    tau_max: float | None = opt(None, "the threshold ceiling: requests that set no tau_max run at most at this τ, and "
+                                      "the accuracy budget is measured from it (a request may ask for more)",
+                                default_text="the accuracy plateau of the eval rows: the lowest τ whose accuracy is "
+                                             "within the 95% interval of the best τ's (1.0 without eval rows)")
+    admission: str = opt("best-effort", "best-effort: a request predicted to miss its deadline even at tau_min is "
+                                        "served late, after every request that can still meet its own; strict: it is "
+                                        "refused (a request may ask for either)", choices=ADMISSION_MODES)
     step_timeout_s: float | None = opt(defaults.DEFAULT_STEP_TIMEOUT_S,  # None disables
                                        "watchdog: an instance whose step runs longer than this is failed and its "
                                        "requests move to the others (0 disables)", parse=or_none(float, "0"))
@@ -73,7 +79,7 @@ class ServeConfig:
                                   "controller's tokens-per-step and accuracy priors",
                             default_text="eval*.json beside the weights")
     max_accuracy_drop: float | None = opt(1.0, "bound on the mean predicted accuracy drop, in points vs the accuracy "
-                                               "at tau_max, over the requests each instance serves ('inf' = "
+                                               "at the τ ceiling (--tau-max), over the requests each instance serves ('inf' = "
                                                "unbounded); a request may set its own", metavar="PTS",
                                           parse=or_none(float, "inf", "none", "unbounded"))
     budget_mode: str = opt("adaptive", "adaptive: spend the budget per request on first-step evidence, where it buys "
@@ -100,8 +106,10 @@ class ServeConfig:
             raise ValueError(f"latency profile {self.profile} does not exist")
         if self.default_max_new_tokens < 1:
             raise ValueError(f"default max new tokens must be >= 1, got {self.default_max_new_tokens}")
-        if not 0 < self.tau_min <= self.tau_max <= 1:
+        if not 0 < self.tau_min <= (1 if self.tau_max is None else self.tau_max) <= 1:
             raise ValueError(f"need 0 < tau_min <= tau_max <= 1, got {self.tau_min}, {self.tau_max}")
+        if self.admission not in ADMISSION_MODES:
+            raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {self.admission!r}")
         if self.step_timeout_s is not None and self.step_timeout_s <= 0:
             raise ValueError(f"step timeout must be positive, got {self.step_timeout_s}")
         if self.controller not in MODES:
@@ -167,7 +175,8 @@ def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print, *, layou
     cfg = _fit_kv_budget(cfg, model.config, layout, max(lengths))
     given = LatencyModel.from_profile(Profile.load(cfg.profile)) if cfg.profile else None
     latency = {tp: given for tp in (given.tp_degrees if given else ())}
-    builder = JaxInstanceBuilder(cfg, model, layout, lengths, _threshold_config(cfg, model.source, say),
+    threshold, cfg = _threshold_config(cfg, model.source, say)
+    builder = JaxInstanceBuilder(cfg, model, layout, lengths, threshold,
                                  latency=latency, placeholder=given or _provisional_latency(), say=say,
                                  load_fn=load_serving_model)
     instances = builder.local_instances()
@@ -262,19 +271,30 @@ def _param_bytes(c) -> int:
     return c.num_params * (2 if str(getattr(c, "param_dtype", "")) == "bfloat16" else 4)
 
 
-def _threshold_config(cfg: ServeConfig, source: str, say) -> ThresholdConfig:
+def _threshold_config(cfg: ServeConfig, source: str, say) -> tuple[ThresholdConfig, ServeConfig]:
     """The τ -> tokens/step and τ -> accuracy priors measured by the eval command, with the accuracy-loss
-    budget, when there are eval rows; else the built-in speed prior and no budget (it cannot be priced)."""
+    budget, when there are eval rows; else the built-in speed prior and no budget (it cannot be priced).
+    Returns it with `cfg` whose τ ceiling is resolved: --tau-max, else the rows' accuracy plateau."""
     path = cfg.prior or eval_rows_beside(source)
     if path is None:
+        ceiling = 1.0 if cfg.tau_max is None else cfg.tau_max
+        say(f"τ ceiling {ceiling:g} ({'--tau-max' if cfg.tau_max is not None else 'no eval rows to find the accuracy plateau on'})")
         say("threshold prior: built-in default (no eval rows beside the weights; pass --prior eval.json); "
             "accuracy budget NOT enforced: no accuracy model")
-        return ThresholdConfig()
+        return ThresholdConfig(), dataclasses.replace(cfg, tau_max=ceiling)
     rows = read_eval_rows(path)  # refuses rows without accuracy
     say(f"threshold priors from {path}: {describe_priors(rows)}")
+    if cfg.tau_max is not None:
+        ceiling, why = cfg.tau_max, "--tau-max"
+    else:
+        plateau = AccuracyModel.from_eval(rows).plateau()
+        ceiling, why = max(plateau.tau, cfg.tau_min), f"default: {plateau.describe()}; --tau-max overrides"
+    say(f"τ ceiling {ceiling:g} ({why})")
     budget = "unbounded" if cfg.max_accuracy_drop is None else f"{cfg.max_accuracy_drop:g} points"
-    say(f"accuracy budget: {budget} mean predicted drop vs τ_max ({cfg.budget_mode})")
-    return ThresholdConfig.from_eval(rows, max_accuracy_drop=cfg.max_accuracy_drop, budget_mode=cfg.budget_mode)
+    say(f"accuracy budget: {budget} mean predicted drop vs the accuracy at τ {ceiling:g} ({cfg.budget_mode})")
+    threshold = ThresholdConfig.from_eval(rows, max_accuracy_drop=cfg.max_accuracy_drop, budget_mode=cfg.budget_mode,
+                                          reference_tau=ceiling)
+    return threshold, dataclasses.replace(cfg, tau_max=ceiling)
 
 
 def _provisional_latency() -> LatencyModel:

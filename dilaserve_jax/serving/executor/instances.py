@@ -63,7 +63,7 @@ class JaxInstanceBuilder:
                            state_sharding=state_sharding(inst, mc, cfg.cache_mode != "none"),
                            compiled=self.compiled, warm_up=False, progress=False)
         sched = Scheduler(SchedulerConfig(num_slots=cfg.slots, policy=cfg.policy, tp=inst.tp,
-                                          max_queue=cfg.max_queue, threshold=self.threshold),
+                                          max_queue=cfg.max_queue, admission=cfg.admission, threshold=self.threshold),
                           self.latency.get(inst.tp, self.placeholder))
         return Engine(runner, sched, name=instance_name(inst))
 

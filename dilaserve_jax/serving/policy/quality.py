@@ -5,9 +5,17 @@ Accuracy model (`AccuracyModel`, from the eval rows that also give the speed pri
   - one risk profile per task: its own τ → accuracy curve, its answer area, and its first-step
     confidence signature (how its masked positions' confidences are spread at a request's first
     step, before anything is committed).
-  Loss at τ relative to a reference τ_ref (the request's τ_max) is in accuracy points and made
-  monotone: loss(τ) = max(0, acc(τ_ref) − min acc over [τ, τ_ref]), so a measured bump below τ_ref
-  is never counted as a gain.
+  Loss at τ relative to a reference τ_ref is in accuracy points and made monotone:
+  loss(τ) = max(0, acc(τ_ref) − min acc over [τ, τ_ref]), so a measured bump below τ_ref is never
+  counted as a gain. τ_ref is one fixed reference for every request (`QualityConfig.reference_tau`,
+  serve's τ ceiling by default), or the request's own τ_max if that is lower (a τ the caller chose
+  is not the server's spend). A request that asks for a τ_max above the reference may run up to it
+  when it has slack; those steps cost latency only, and count as no loss and no gain.
+
+Plateau (`plateau_tau`): the lowest τ whose accuracy is within the measured noise of the best τ's
+(and every τ above it as well): accuracy gaps inside a z-interval of the two binomial estimates are
+not told apart from zero. A ceiling above it buys no measurable accuracy for many more steps, so
+it is serve's default τ ceiling.
 
 A request's expected loss mixes the profiles' losses by a posterior: the prior is every profile
 with the request's answer area (weighted by problems measured; all profiles if none matches);
@@ -47,6 +55,52 @@ from typing import Iterable, Mapping, Sequence
 
 BUDGET_MODES = ("adaptive", "floor")
 Curve = tuple[tuple[float, float], ...]  # (τ, accuracy in [0, 1]), ascending τ
+PLATEAU_Z = 1.96  # a 95% interval
+
+
+@dataclass(frozen=True, slots=True)
+class Plateau:
+    """The ceiling rule's answer, with what it rests on (for start-up logs and --help)."""
+
+    tau: float  # the lowest τ within noise of the best (and every τ above it too)
+    best_tau: float
+    best_accuracy: float
+    accuracy: float  # at `tau`
+    z: float
+
+    def describe(self) -> str:
+        if self.tau == self.best_tau:
+            return (f"τ {self.tau:g} is the most accurate measured ({100 * self.best_accuracy:.1f}%) and no lower τ "
+                    f"is within its {self._interval} interval")
+        return (f"the lowest τ whose accuracy ({100 * self.accuracy:.1f}%) is within the {self._interval} "
+                f"interval of the best ({100 * self.best_accuracy:.1f}% at τ {self.best_tau:g})")
+
+    @property
+    def _interval(self) -> str:
+        return "95%" if abs(self.z - 1.96) < 1e-9 else f"z={self.z:g}"
+
+
+def plateau_tau(curve: Curve, samples: Mapping[float, float], z: float = PLATEAU_Z) -> Plateau:
+    """The lowest τ such that it and every τ between it and the best τ measure an accuracy within z
+    standard errors of the best's (the errors of the two binomial estimates combined; `samples`:
+    problems per τ; a τ without a count is told apart from the best by any gap at all). Ties for
+    the best go to the highest τ, so a bump further down (beyond a dip) is never the start."""
+    if not curve:
+        raise ValueError("no accuracy curve to find a plateau on")
+    best_tau, best = max(curve, key=lambda p: (p[1], p[0]))
+    n_best = samples.get(best_tau)
+    var_best = best * (1 - best) / n_best if n_best else 0.0
+
+    def within(t: float, a: float) -> bool:
+        n = samples.get(t)
+        return best - a <= z * math.sqrt(var_best + (a * (1 - a) / n if n else 0.0)) + 1e-12
+
+    tau, acc = best_tau, best
+    for t, a in sorted((p for p in curve if p[0] < best_tau), reverse=True):
+        if not within(t, a):
+            break
+        tau, acc = t, a
+    return Plateau(tau, best_tau, best, acc, z)
 
 
 def interpolate(x: float, pts: Sequence[tuple[float, float]]) -> float:
@@ -87,6 +141,7 @@ class RiskProfile:
 class AccuracyModel:
     pooled: Curve
     profiles: tuple[RiskProfile, ...] = ()
+    samples: tuple[tuple[float, float], ...] = ()  # (τ, problems measured) behind the pooled curve
 
     def __post_init__(self) -> None:
         if not self.pooled:
@@ -100,6 +155,9 @@ class AccuracyModel:
 
         rows = read_eval_rows(path_or_rows, tasks)
         pooled = tuple(sorted(accuracy_from_eval_json(rows).items()))
+        samples: dict[float, float] = {}
+        for r in rows:
+            samples[float(r["threshold"])] = samples.get(float(r["threshold"]), 0.0) + float(r["n"])
         profiles = []
         if not all(r.get("kind") == "summary" for r in rows):
             for name in dict.fromkeys(r["task"] for r in rows):
@@ -110,10 +168,14 @@ class AccuracyModel:
                 profiles.append(RiskProfile(name, max(float(r["n"]) for r in mine), length,
                                             tuple(sorted((float(r["threshold"]), float(r["accuracy"])) for r in mine)),
                                             sig))
-        return cls(pooled, tuple(profiles))
+        return cls(pooled, tuple(profiles), tuple(sorted(samples.items())))
 
     def accuracy(self, tau: float) -> float:
         return interpolate(tau, self.pooled)
+
+    def plateau(self, z: float = PLATEAU_Z) -> Plateau:
+        """Where accuracy stops growing measurably with τ (see `plateau_tau`)."""
+        return plateau_tau(self.pooled, dict(self.samples), z)
 
     def loss(self, tau: float, ref: float) -> float:
         """Pooled expected loss in points at τ relative to τ_ref."""
@@ -189,7 +251,10 @@ def _same_bins(signature: Sequence[float], counts: Sequence[int]) -> tuple[list[
 @dataclass(frozen=True, slots=True)
 class QualityConfig:
     model: AccuracyModel
-    max_accuracy_drop: float | None = 1.0  # points vs the accuracy at τ_max; None: unbounded
+    max_accuracy_drop: float | None = 1.0  # points vs the accuracy at the reference τ; None: unbounded
+    # the τ losses are measured from, for every request (capped by a lower τ_max of its own);
+    # None: each request's own τ_max
+    reference_tau: float | None = None
     mode: str = "adaptive"
     prior_weight: float = 0.02  # share of the pooled prior kept in every request's posterior
     evidence_temperature: float = 4.0  # the first-step log-likelihood is divided by this
@@ -204,6 +269,8 @@ class QualityConfig:
             raise ValueError(f"max_accuracy_drop must be a finite number of points >= 0 (or None), got {self.max_accuracy_drop}")
         if not 0 < self.prior_weight <= 1 or self.evidence_temperature <= 0 or self.confidence_z < 0:
             raise ValueError("prior_weight must be in (0, 1], evidence_temperature > 0 and confidence_z >= 0")
+        if self.reference_tau is not None and not 0 < self.reference_tau <= 1:
+            raise ValueError(f"reference τ must be in (0, 1], got {self.reference_tau}")
 
     @classmethod
     def from_eval(cls, path_or_rows, **kw) -> "QualityConfig":
@@ -246,6 +313,11 @@ class QualityBudget:
     _losses: dict[tuple[float, float], tuple[float, ...]] = field(default_factory=dict)
 
     # --- the model, per request ---
+    def reference(self, req) -> float:
+        """The τ this request's losses are measured from: the fixed reference, or its own lower τ_max."""
+        ref = self.cfg.reference_tau
+        return req.tau_max if ref is None else min(req.tau_max, ref)
+
     def budget_of(self, req) -> float | None:
         own = getattr(req, "max_accuracy_drop", None)
         return own if own is not None else self.cfg.max_accuracy_drop
@@ -265,8 +337,8 @@ class QualityBudget:
         return w
 
     def loss(self, req, tau: float) -> float:
-        """Expected loss in points of running the whole request at τ (vs its τ_max)."""
-        ref = req.tau_max
+        """Expected loss in points of running the whole request at τ (vs its reference τ)."""
+        ref = self.reference(req)
         if tau >= ref:
             return 0.0
         m = self.cfg.model
@@ -284,7 +356,7 @@ class QualityBudget:
 
     def floor(self, req, candidates: Sequence[float]) -> float:
         """The fixed floor: lowest candidate whose pooled loss is within the request's budget."""
-        return self.cfg.model.floor(self.budget_of(req), req.tau_max, candidates)
+        return self.cfg.model.floor(self.budget_of(req), self.reference(req), candidates)
 
     # --- accounting ---
     def allowance(self) -> float | None:
@@ -318,7 +390,8 @@ class QualityBudget:
         confidence; returns the points added. Without a histogram the step is assumed to have changed
         commits."""
         added = 0.0
-        if tau < req.tau_max and (not counts or changed_commits(counts, max_confidence, tau, req.tau_max) > 0):
+        ref = self.reference(req)
+        if tau < ref and (not counts or changed_commits(counts, max_confidence, tau, ref) > 0):
             added = max(0.0, self.loss(req, tau) - req.predicted_loss)
             req.predicted_loss += added
         self.join(req)

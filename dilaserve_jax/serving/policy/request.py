@@ -77,6 +77,7 @@ class Request:
     temperature: float = 0.0  # 0: greedy proposals
     seed: int = 0  # sampling seed when temperature > 0
     max_accuracy_drop: float | None = None  # own bound on its predicted loss (points); None: the server's budget
+    strict_admission: bool | None = None  # refuse it if it cannot meet its deadline; None: the server's rule
     # --- mutable run-time record ---
     state: RequestState = RequestState.WAITING
     slot: int | None = None

@@ -13,7 +13,13 @@ Policies (same interface):
                (within the accuracy-loss budget when the threshold config carries one);
                a batch (and the set of running requests) grows only while every request in it
                still meets its deadline at the larger step time; at-risk requests run only on
-               spare capacity; hopeless requests are rejected at admission.
+               spare capacity.
+Admission (all policies): a request predicted to miss its deadline even at τ_min on an idle
+instance is served anyway by default (`best-effort`), late, after every request that can still
+meet its own — dilaserve marks it at risk, which is the victim rule under overload: the requests
+that are lost already give way, so the ones that can still make it do (EDF instead serves the
+most urgent first, which under overload are exactly the lost ones, and every deadline behind them
+falls too). `strict` refuses it at admission; a request may ask for either.
 No starvation (all policies): a request that was runnable but skipped `max_skip` rounds in a row
 goes first, whatever its deadline or risk.
 """
@@ -31,6 +37,7 @@ from dilaserve_jax.core.outcome import SlotOutcome
 from dilaserve_jax.core.kinds import StepKind
 
 POLICIES = ("fcfs-static", "edf-static", "dilaserve")
+ADMISSION_MODES = ("best-effort", "strict")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +49,7 @@ class SchedulerConfig:
     max_queue: int = 256  # waiting requests beyond this are rejected
     max_batch: int | None = None  # default: num_slots
     max_skip: int = 16  # rounds a runnable request may be passed over before it goes first
-    reject_infeasible: bool | None = None  # default: True for dilaserve, False for static policies
+    admission: str = "best-effort"  # or "strict": refuse what cannot meet its deadline (see module doc)
     drop_expired: bool = False  # finish requests past their deadline as FINISHED_DEADLINE
     latency_ema: float = 0.2  # online correction of the latency model from measured step times
     threshold: ThresholdConfig = field(default_factory=ThresholdConfig)
@@ -50,6 +57,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.admission not in ADMISSION_MODES:
+            raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {self.admission!r}")
         if self.num_slots < 1 or self.tp < 1 or self.max_queue < 0 or self.max_skip < 1:
             raise ValueError("num_slots, tp, max_skip must be >= 1 and max_queue >= 0")
         if self.max_batch is not None and self.max_batch < 1:
@@ -65,9 +74,9 @@ class SchedulerConfig:
     def batch_limit(self) -> int:
         return min(self.max_batch or self.num_slots, self.num_slots)
 
-    @property
-    def rejects_infeasible(self) -> bool:
-        return self.adaptive if self.reject_infeasible is None else self.reject_infeasible
+    def strict_for(self, req: Request) -> bool:
+        """Whether `req` is refused when it cannot meet its deadline: its own ask, else the server's."""
+        return req.strict_admission if req.strict_admission is not None else self.admission == "strict"
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,12 +138,12 @@ class Scheduler:
         reason = None
         if len(self.waiting) >= self.cfg.max_queue:
             reason = f"queue full ({len(self.waiting)} waiting, max_queue={self.cfg.max_queue})"
-        elif req.deadline <= now:
-            reason = "deadline already passed"
-        elif self.cfg.rejects_infeasible and not self._feasible(req, now, 1):
+        elif self.cfg.strict_for(req) and req.deadline <= now:
+            reason = "deadline already passed (strict admission)"
+        elif self.cfg.strict_for(req) and not self._feasible(req, now, 1):
             need = self.controller.remaining_time(req, req.tau_min, 1, self.step_time)
             reason = (f"deadline infeasible even at tau_min={req.tau_min} on an idle instance "
-                      f"(needs {need:.3g}s, has {req.deadline - now:.3g}s)")
+                      f"(needs {need:.3g}s, has {req.deadline - now:.3g}s; strict admission)")
         if reason is not None:
             req.reject_reason = reason
             req.transition(RequestState.FINISHED_REJECTED, now)

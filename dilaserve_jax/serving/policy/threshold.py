@@ -72,10 +72,12 @@ class ThresholdConfig:
 
     @classmethod
     def from_eval(cls, path_or_rows, max_accuracy_drop: float | None = 1.0, budget_mode: str = "adaptive",
-                  **kw) -> "ThresholdConfig":
-        """Speed prior and accuracy model from the same eval rows, with a loss budget in points."""
+                  reference_tau: float | None = None, **kw) -> "ThresholdConfig":
+        """Speed prior and accuracy model from the same eval rows, with a loss budget in points
+        measured from `reference_tau` (None: from each request's own τ_max)."""
         rows = read_eval_rows(path_or_rows)
-        quality = QualityConfig.from_eval(rows, max_accuracy_drop=max_accuracy_drop, mode=budget_mode)
+        quality = QualityConfig.from_eval(rows, max_accuracy_drop=max_accuracy_drop, mode=budget_mode,
+                                          reference_tau=reference_tau)
         return cls.with_prior(prior_from_eval_json(rows), quality=quality, **kw)
 
 
