@@ -24,8 +24,10 @@ class ClientConfig:
     block_length: int | None = opt(None, "semi-autoregressive block length", default_text="the server's")
     tau_min: float | None = opt(None, "quality floor: lowest threshold the server may use", default_text="the server's")
     tau_max: float | None = opt(None, "threshold ceiling", default_text="the server's")
-    max_accuracy_drop: float | None = opt(None, "own bound on the predicted accuracy loss, points vs tau_max",
-                                          metavar="PTS", default_text="the server's budget")
+    max_accuracy_drop: float | None = opt(None, "own bound on the predicted accuracy loss, points vs the server's "
+                                                "τ ceiling", metavar="PTS", default_text="the server's budget")
+    strict_admission: bool | None = opt(None, "refuse the call if it cannot meet its deadline (--no-strict-admission: "
+                                              "serve it late)", default_text="the server's --admission")
     temperature: float = opt(0.0, "0 = greedy")
     seed: int = opt(0, "sampling seed")
     token: str | None = opt(None, "bearer token, if the server requires one", env="DILASERVE_AUTH_TOKEN",
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     kw = dict(max_new_tokens=args.max_new_tokens, block_length=args.block_length, slo_ms=args.slo_ms,
               tau_min=args.tau_min, tau_max=args.tau_max, temperature=args.temperature, seed=args.seed,
-              max_accuracy_drop=args.max_accuracy_drop)
+              max_accuracy_drop=args.max_accuracy_drop, strict_admission=args.strict_admission)
     timeout = args.deadline_ms / 1000.0 if args.deadline_ms else None
     try:
         with DiLaServeClient(args.target, auth_token=args.token, tls_ca=args.tls_ca) as client:

@@ -57,14 +57,15 @@ class DiLaServeClient:
     def request(prompt: str | list[int], *, max_new_tokens: int | None = None, block_length: int | None = None,
                 slo_ms: float | None = None, tau_min: float | None = None, tau_max: float | None = None,
                 temperature: float = 0.0, seed: int = 0, request_id: str = "",
-                max_accuracy_drop: float | None = None) -> pb.GenerateRequest:
+                max_accuracy_drop: float | None = None, strict_admission: bool | None = None) -> pb.GenerateRequest:
         req = pb.GenerateRequest(temperature=temperature, seed=seed, request_id=request_id)
         if isinstance(prompt, str):
             req.text = prompt
         else:
             req.token_ids.ids.extend(prompt)
         for name, value in (("max_new_tokens", max_new_tokens), ("block_length", block_length), ("slo_ms", slo_ms),
-                            ("tau_min", tau_min), ("tau_max", tau_max), ("max_accuracy_drop", max_accuracy_drop)):
+                            ("tau_min", tau_min), ("tau_max", tau_max), ("max_accuracy_drop", max_accuracy_drop),
+                            ("strict_admission", strict_admission)):
             if value is not None:
                 setattr(req, name, value)
         return req

@@ -25,7 +25,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "max_new_tokens", "block_length", "slo_ms", "tau_min", "tau_max", "temperature", "seed", "request_id", "max_accuracy_drop")
+    __slots__ = ("text", "token_ids", "max_new_tokens", "block_length", "slo_ms", "tau_min", "tau_max", "temperature", "seed", "request_id", "max_accuracy_drop", "strict_admission")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class GenerateRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_ACCURACY_DROP_FIELD_NUMBER: _ClassVar[int]
+    STRICT_ADMISSION_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     max_new_tokens: int
@@ -48,7 +49,8 @@ class GenerateRequest(_message.Message):
     seed: int
     request_id: str
     max_accuracy_drop: float
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., block_length: _Optional[int] = ..., slo_ms: _Optional[float] = ..., tau_min: _Optional[float] = ..., tau_max: _Optional[float] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., request_id: _Optional[str] = ..., max_accuracy_drop: _Optional[float] = ...) -> None: ...
+    strict_admission: bool
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., block_length: _Optional[int] = ..., slo_ms: _Optional[float] = ..., tau_min: _Optional[float] = ..., tau_max: _Optional[float] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., request_id: _Optional[str] = ..., max_accuracy_drop: _Optional[float] = ..., strict_admission: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "steps", "mean_tau", "queue_ms", "decode_ms", "total_ms", "deadline_met", "deadline_ms", "instance", "moves", "taus", "predicted_accuracy_loss")

@@ -173,7 +173,7 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
         now = self.cluster.clock()
         req = Request(spec.request_id, spec.prompt_tokens, spec.answer_length, spec.block_length, now, now + slo_s,
                       tau_min=spec.tau_min, tau_max=spec.tau_max, temperature=spec.temperature, seed=spec.seed,
-                      max_accuracy_drop=spec.max_accuracy_drop)
+                      max_accuracy_drop=spec.max_accuracy_drop, strict_admission=spec.strict_admission)
 
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()

@@ -34,6 +34,7 @@ class GenerateSpec:
     temperature: float
     seed: int
     max_accuracy_drop: float | None = None  # the request's own loss bound (points); None = the server's
+    strict_admission: bool | None = None  # refuse it if it cannot meet its deadline; None = the server's rule
 
 
 def _tau(value: float, field: str) -> float:
@@ -105,5 +106,6 @@ def validate(req: pb.GenerateRequest, tokenizer, limits: Limits) -> GenerateSpec
         if not math.isfinite(req.max_accuracy_drop) or req.max_accuracy_drop < 0:
             raise InvalidRequest("max_accuracy_drop", f"must be a finite number of points >= 0, got {req.max_accuracy_drop}")
         drop = float(req.max_accuracy_drop)
+    strict = bool(req.strict_admission) if req.HasField("strict_admission") else None
     return GenerateSpec(request_id, prompt, max_new, answer, block, slo_s, tau_min, tau_max,
-                        float(req.temperature), int(req.seed), drop)
+                        float(req.temperature), int(req.seed), drop, strict)
