@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from dilaserve_jax.serving.cluster.fake_runner import FakeClock
+from dilaserve_jax.serving.cluster.fake_runner import FakeClock, check_step
 from dilaserve_jax.serving.policy.latency import LatencyModel, Profile
 from dilaserve_jax.core.buckets import padded
 from dilaserve_jax.core.outcome import SlotOutcome
@@ -161,14 +161,7 @@ class ModelledRunner:
 
     def step(self, kind: StepKind, slots: Sequence[int], taus: Sequence[float],
              blocks: Sequence[int] | None = None) -> list[SlotOutcome]:
-        if not slots or len(slots) != len(taus):
-            raise ValueError("need one τ per slot and at least one slot")
-        states = [self.slots[s] for s in slots]
-        for s, st, b in zip(slots, states, blocks if blocks is not None else [None] * len(slots)):
-            if b is not None and b != st.progress.block:
-                raise ValueError(f"slot {s}: the plan says block {b}, its canvas is in block {st.progress.block}")
-            if st.needs_refresh != (kind == StepKind.REFRESH):
-                raise ValueError(f"slot {s} needs {'REFRESH' if st.needs_refresh else 'REUSE'}, got {kind.name}")
+        states = check_step(kind, slots, taus, blocks, self.slots, lambda st: (st.progress.block, st.needs_refresh))
         dt = self.step_time.batch_seconds(kind, [(st.prompt_len + st.plan.answer_length, st.plan.block_length)
                                                  for st in states], self.tp_degree, self.rng, self.clock())
         out = [self._advance(s, st, tau) for s, st, tau in zip(slots, states, taus)]

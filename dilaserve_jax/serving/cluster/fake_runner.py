@@ -96,6 +96,23 @@ class _Slot:
     needs_refresh: bool = True
 
 
+def check_step(kind: StepKind, slots: Sequence[int], taus: Sequence[float], blocks: Sequence[int] | None,
+               table: dict, where: Callable[[object], tuple[int, bool]]) -> list:
+    """The Runner contract a test double enforces on one step: one τ per slot, admitted slots, and
+    each slot's (current block, needs a refresh) as its canvas says — `where(state)` — agreeing
+    with the plan's block and step kind. Returns the slots' states from `table`."""
+    if not slots or len(slots) != len(taus):
+        raise ValueError("need one τ per slot and at least one slot")
+    states = [table[s] for s in slots]  # KeyError: not admitted
+    for s, st, b in zip(slots, states, blocks if blocks is not None else [None] * len(slots)):
+        block, needs_refresh = where(st)
+        if b is not None and b != block:
+            raise ValueError(f"slot {s}: the plan says block {b}, its canvas is in block {block}")
+        if needs_refresh != (kind == StepKind.REFRESH):
+            raise ValueError(f"slot {s} needs {'REFRESH' if needs_refresh else 'REUSE'}, got {kind.name}")
+    return states
+
+
 class FakeRunner:
     """Implements `types.Runner`. Enforces the protocol (admitted slots, right step kind)."""
 
@@ -140,15 +157,9 @@ class FakeRunner:
 
     def step(self, kind: StepKind, slots: Sequence[int], taus: Sequence[float],
              blocks: Sequence[int] | None = None) -> list[SlotOutcome]:
-        if not slots or len(slots) != len(taus):
-            raise ValueError("need one τ per slot and at least one slot")
-        states = [self.slots[s] for s in slots]  # KeyError: not admitted
-        for s, st, b in zip(slots, states, blocks if blocks is not None else [None] * len(slots)):
-            if b is not None and b != st.committed // st.block_length:
-                raise ValueError(f"slot {s}: the plan says block {b}, its canvas is in block "
-                                 f"{st.committed // st.block_length}")
-            if st.needs_refresh != (kind == StepKind.REFRESH):
-                raise ValueError(f"slot {s} needs {'REFRESH' if st.needs_refresh else 'REUSE'}, got {kind.name}")
+        states = check_step(kind, slots, taus, blocks, self.slots,
+                            lambda st: (st.committed // st.block_length, st.needs_refresh))
+        for s, st in zip(slots, states):
             if st.committed >= st.answer_length:
                 raise ValueError(f"slot {s} is already finished")
         canvas = max(len(st.prompt) + st.answer_length for st in states)
