@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from dilaserve_jax.serving.cluster.engine import Engine
@@ -25,14 +24,6 @@ class DuplicateRequest(ValueError):
     """A request with this id is already in flight somewhere in the cluster."""
 
 
-@dataclass(slots=True)
-class _Tracked:
-    request: Request
-    future: Future
-    on_progress: ProgressFn | None
-    instance: str
-
-
 class RequestTable:
     def __init__(self, router: Router, clock: Callable[[], float], serving: Callable[[], Sequence[Engine]],
                  engine: Callable[[str], Engine]) -> None:
@@ -40,9 +31,9 @@ class RequestTable:
         self.router, self.clock, self._serving, self._engine = router, clock, serving, engine
         self.lock = threading.Lock()
         self.holding = False  # a layout switch is under way: hold what no instance can take
-        self._inflight: dict[str, _Tracked] = {}
+        self._where: dict[str, str] = {}  # request id -> its instance ("" while held)
         self._abort_wanted: set[str] = set()
-        self._held: list[tuple[_Tracked, Handoff]] = []
+        self._held: list[Handoff] = []
 
     # --- requests ---
     def add(self, request: Request, on_progress: ProgressFn | None = None,
@@ -50,47 +41,44 @@ class RequestTable:
         """Place a new request (on `instance` while it is healthy, else where the router says)."""
         fut: Future = Future()
         with self.lock:
-            if request.id in self._inflight:
+            if request.id in self._where:
                 raise DuplicateRequest(f"request id {request.id!r} is already in flight")
-            tracked = _Tracked(request, fut, on_progress, "")
-            self._inflight[request.id] = tracked
+            self._where[request.id] = ""
             try:
-                self._place_locked(tracked, Handoff(request, fut, on_progress), prefer=instance)
+                self._place_locked(Handoff(request, fut, on_progress), prefer=instance)
             except BaseException:
-                del self._inflight[request.id]
+                del self._where[request.id]
                 raise
         fut.add_done_callback(lambda _f, rid=request.id: self._forget(rid))
-        return RequestHandle(request.id, fut, lambda: tracked.instance, lambda: self.abort(request.id))
+        return RequestHandle(request.id, fut, lambda: self.instance_of(request.id) or "",
+                             lambda: self.abort(request.id))
 
     def abort(self, request_id: str) -> bool:
         with self.lock:
-            tracked = self._inflight.get(request_id)
-            if tracked is None:
+            where = self._where.get(request_id)
+            if where is None:
                 return False
             self._abort_wanted.add(request_id)
-            if not tracked.instance:  # held during a reconfiguration: dropped when placed
+            if not where:  # held during a reconfiguration: dropped when placed
                 return True
-            engine = self._engine(tracked.instance)
+            engine = self._engine(where)
         engine.abort(request_id)
         return True
 
     def instance_of(self, request_id: str) -> str | None:
         with self.lock:
-            t = self._inflight.get(request_id)
-        return t.instance if t else None
+            return self._where.get(request_id)
 
     def __len__(self) -> int:
         with self.lock:
-            return len(self._inflight)
+            return len(self._where)
 
     # --- moving requests ---
     def place_again(self, handoffs: Sequence[Handoff], exclude: frozenset[str] = frozenset(),
                     prefer: str | None = None) -> None:
         """Place requests taken off an instance on the others (their next step is a refresh);
         `prefer`: the instance to place them on while it is healthy (a migration's target)."""
-        with self.lock:
-            items = [(self._inflight[h.request.id], h) for h in handoffs if h.request.id in self._inflight]
-        self._place_all(items, exclude, prefer)
+        self._place_all(handoffs, exclude, prefer)
 
     def place_held(self) -> None:
         """Place the requests held while no instance was up (end of a reconfiguration)."""
@@ -98,20 +86,21 @@ class RequestTable:
             held, self._held = self._held, []
         self._place_all(held)
 
-    def _place_all(self, items, exclude: frozenset[str] = frozenset(), prefer: str | None = None) -> None:
-        """Place (tracked, handoff) pairs; an abort asked for meanwhile ends the request instead.
-        Futures are resolved outside the lock: their callbacks take it."""
+    def _place_all(self, handoffs: Sequence[Handoff], exclude: frozenset[str] = frozenset(),
+                   prefer: str | None = None) -> None:
+        """Place requests again; an abort asked for meanwhile ends the request instead. Futures
+        are resolved outside the lock: their callbacks take it."""
         settled: list[tuple[Future, Any]] = []
         with self.lock:
-            for tracked, h in items:
-                if h.request.id not in self._inflight:  # resolved meanwhile
+            for h in handoffs:
+                if h.request.id not in self._where:  # resolved meanwhile
                     continue
                 if h.request.id in self._abort_wanted:
                     h.request.transition(RequestState.FINISHED_ABORTED, self.clock())
-                    settled.append((h.future, RequestResult.of(h.request, tracked.instance)))
+                    settled.append((h.future, RequestResult.of(h.request, self._where[h.request.id])))
                     continue
                 try:
-                    self._place_locked(tracked, h, exclude, prefer)
+                    self._place_locked(h, exclude, prefer)
                 except NoInstanceAvailable as err:
                     settled.append((h.future, err))
         for fut, outcome in settled:
@@ -120,8 +109,7 @@ class RequestTable:
             else:
                 _resolve(fut, outcome)
 
-    def _place_locked(self, tracked: _Tracked, h: Handoff, exclude: frozenset[str] = frozenset(),
-                      prefer: str | None = None) -> None:
+    def _place_locked(self, h: Handoff, exclude: frozenset[str] = frozenset(), prefer: str | None = None) -> None:
         tried = set(exclude)
         while True:
             snaps = [e.snapshot() for e in self._serving()]
@@ -134,8 +122,8 @@ class RequestTable:
                     name, own = placed.instance, placed.own_seconds
                 except NoInstanceAvailable:
                     if self.holding:  # instances are coming up: hold it until they are
-                        self._held.append((tracked, h))
-                        tracked.instance = ""
+                        self._held.append(h)
+                        self._where[h.request.id] = ""
                         return
                     raise
             try:
@@ -144,12 +132,12 @@ class RequestTable:
             except EngineUnavailable:  # it failed since its snapshot: try the others
                 tried.add(name)
                 continue
-            tracked.instance = name
+            self._where[h.request.id] = name
             return
 
     def _forget(self, request_id: str) -> None:
         with self.lock:
-            self._inflight.pop(request_id, None)
+            self._where.pop(request_id, None)
             self._abort_wanted.discard(request_id)
 
 
