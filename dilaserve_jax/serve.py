@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -94,8 +95,11 @@ def main(argv: list[str] | None = None) -> int:
 
         from dilaserve_jax.decoding.compiled import enable_compile_cache
         from dilaserve_jax.serving.executor.build import build_cluster
+        from dilaserve_jax.serving.executor.profile_cache import profile_cache_dir
 
         enable_compile_cache(command.compile_cache)
+        config = dataclasses.replace(config, profile_cache=profile_cache_dir(config.profile_cache,
+                                                                             command.compile_cache))
         if jax.default_backend() == "cpu":
             log.info(f"no accelerator found: presenting {cpu_devices} CPU devices for mesh {config.mesh}")
         cluster = build_cluster(config, log.info)
@@ -150,8 +154,8 @@ async def _serve(cluster, options, watcher=None) -> int:
     cluster.stop(wait_background=False)
     log.info("stopped" if finished else "stopped with calls still in flight after the grace period")
     if not warm.done() or any(t.is_alive() for t in cluster.background):
-        # compilation still running (start-up, or the controller's background measurement): leave
-        # without waiting for it, and without finalising the interpreter under a running XLA thread
+        # start-up compilation or measurement still running: leave without waiting for it, and
+        # without finalising the interpreter under a running XLA thread
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

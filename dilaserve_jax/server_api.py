@@ -58,7 +58,8 @@ class Server:
         `devices`: the jax devices to serve on (default all visible); `mesh`: their layout ("2x2",
         "4", ...). Other keywords go to ServeConfig (slots, kv_memory_gb, cache_mode, policy,
         profile, prior, tau_min, controller, ...). `compile_cache`: a directory for XLA's persistent
-        compilation cache (a process-wide JAX setting; off by default). Returns once gRPC listens
+        compilation cache (a process-wide JAX setting; off by default); measured latency profiles
+        are then kept beside it unless `profile_cache` says otherwise. Returns once gRPC listens
         (health NOT_SERVING while compiling)."""
         from dilaserve_jax.frontend.server import ServerOptions
         from dilaserve_jax.mesh.share import share_layout
@@ -72,8 +73,10 @@ class Server:
         self._say = say or log.info
         if compile_cache is not None:
             from dilaserve_jax.decoding.compiled import enable_compile_cache
+            from dilaserve_jax.serving.executor.profile_cache import profile_cache_dir
 
             enable_compile_cache(compile_cache)
+            serve_config.setdefault("profile_cache", profile_cache_dir(None, compile_cache))
         model_cfg, params = _split(model, params)
         ids = None if devices is None else tuple(d.id for d in devices)
         self.config = ServeConfig(model=f"{name}:initial", mesh=mesh, devices=ids, **serve_config)

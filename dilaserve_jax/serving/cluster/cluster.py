@@ -110,13 +110,14 @@ class Cluster:
         return self._stopping.is_set()
 
     def stop(self, timeout: float | None = 5.0, wait_background: bool = True) -> None:
-        """Stop the controller, the engines and the watchdog. Background set-up work (a latency
-        measurement) is waited for unless `wait_background` is False (a process about to exit)."""
+        """Stop the controller, the engines and the watchdog. Threads in `background` (set-up work
+        that must not die mid-compile) are waited for unless `wait_background` is False (a process
+        about to exit)."""
         self._stopping.set()
         if self.autoscaler is not None:
             self.autoscaler.stop()
         if wait_background:
-            for t in self.background:  # let a measurement finish rather than die mid-compile
+            for t in self.background:
                 t.join()
         errors = []
         for e in [*self.engines, *self.retiring.values()]:

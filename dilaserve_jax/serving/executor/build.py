@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,7 @@ from dilaserve_jax.core.cli import opt, or_none, words
 from dilaserve_jax.core.kinds import CACHE_MODES
 from dilaserve_jax.core.layouts import parse_layout
 from dilaserve_jax.kernels import IMPLEMENTATIONS, describe_attention
-from dilaserve_jax.mesh import Layout, check_model, check_model_tp, load_into_layout
+from dilaserve_jax.mesh import Layout, check_model, load_into_layout
 from dilaserve_jax.mesh.share import bytes_per_device, parse_device_ids, share_layout
 from dilaserve_jax.models.memory import GIB, device_bytes_per_slot, slots_within
 from dilaserve_jax.models.hf import abstract_params
@@ -27,6 +26,9 @@ from dilaserve_jax.serving.cluster.autoscale import MODES, Autoscaler
 from dilaserve_jax.serving.cluster.cluster import Cluster
 from dilaserve_jax.serving.policy.controller import ClusterController, ControllerConfig
 from dilaserve_jax.serving.executor.instances import JaxInstanceBuilder, instance_info, instance_name
+from dilaserve_jax.serving.executor.latency_setup import (LatencySetup, Profiler, candidate_tp_degrees,
+                                                          tp_degrees_to_cover)
+from dilaserve_jax.serving.executor.profile_cache import ProfileCache
 from dilaserve_jax.serving.policy.latency import LatencyModel, Profile
 from dilaserve_jax.serving.policy.limits import Limits
 from dilaserve_jax.serving.policy.quality import BUDGET_MODES, AccuracyModel
@@ -75,6 +77,10 @@ class ServeConfig:
     controller_config: ControllerConfig = field(default_factory=ControllerConfig)
     profile: str | None = opt(None, "step-latency profile JSON (from `python -m dilaserve_jax.bench.profile`)",
                               default_text="measured at start-up")
+    profile_cache: str | None = opt(  # None: no cache (serve resolves the default; see profile_cache.py)
+        None, "directory that keeps measured latency profiles between starts, keyed by model, device kind and "
+              "shapes ('none': measure at every start)", metavar="DIR",
+        default_text="latency-profiles beside --compile-cache; ~/.cache/dilaserve_jax/latency-profiles when that is off")
     prior: str | None = opt(None, "eval rows (`python -m dilaserve_jax.tasks.eval --json`) for the threshold "
                                   "controller's tokens-per-step and accuracy priors",
                             default_text="eval*.json beside the weights")
@@ -159,10 +165,12 @@ def load_serving_model(cfg: ServeConfig, layout: Layout, source: str | None = No
 
 
 def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print, *, layout: Layout | None = None,
-                  model: ServingModel | None = None) -> Cluster:
-    """Load, lay out and compile; returns a Cluster whose warm_up() compiles every instance, measures
-    the latency profile and (unless --controller manual) starts the cluster controller. `layout` and
-    `model` (already placed in it, e.g. from memory) replace building and loading them."""
+                  model: ServingModel | None = None, profiler: Profiler | None = None) -> Cluster:
+    """Load, lay out and compile; returns a Cluster whose warm_up() compiles every instance, gives
+    every TP degree it may run a latency model (serving/executor/latency_setup.py) and (unless
+    --controller manual) starts the cluster controller, all before it serves. `layout` and `model`
+    (already placed in it, e.g. from memory) replace building and loading them; `profiler` replaces
+    `profiling.measure_profile`."""
     layout = layout or share_layout(cfg.mesh, cfg.devices, allow_unused=cfg.allow_unused_devices)
     share = f"devices {list(cfg.devices)} of " if cfg.devices is not None else ""
     say(f"layout {layout} on {share}{jax.device_count()} {jax.devices()[0].platform} device(s)")
@@ -189,11 +197,18 @@ def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print, *, layou
                     default_block_length=cfg.default_block_length, default_slo_ms=cfg.default_slo_ms,
                     default_tau_min=cfg.tau_min, default_tau_max=cfg.tau_max, max_block_length=max(cfg.block_buckets))
 
+    cache = ProfileCache(cfg.profile_cache) if cfg.profile_cache not in (None, "none") else None
+    setup = LatencySetup(builder, cache, profiler)
+
     def warm_up(cluster: Cluster) -> None:
-        """On each engine's own thread (it owns the runner), one instance after the other."""
+        """On each engine's own thread (it owns the runner), one instance after the other; then every
+        TP degree's latency model, while no instance serves."""
         for engine in cluster.engines:
-            builder.prepare(engine)
-        if cfg.controller != "manual":
+            builder.warm(engine)
+        setup.cover(cluster, tp_degrees_to_cover(cfg, model.config, layout))
+        for engine in cluster.engines:
+            engine.set_latency_model(builder.latency_for(engine.runner.tp_degree)).result()
+        if cfg.controller != "manual" and not cluster.stopping:
             start_controller(cluster, builder, cfg, say)
 
     cluster = Cluster(engines, infos, layout=str(layout.spec), policy=cfg.policy, model_source=model.source,
@@ -201,23 +216,6 @@ def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print, *, layou
                       step_timeout_s=cfg.step_timeout_s, family=model.config.family, builder=builder)
     cluster.autoscaler = Autoscaler(cluster, None, mode=cfg.controller)  # its controller comes after warm-up
     return cluster
-
-
-def candidate_tp_degrees(cfg: ServeConfig, model_cfg, num_devices: int) -> list[int]:
-    """TP degrees the controller may use: powers of two up to the devices that the model allows,
-    or those of the --layouts given."""
-    if cfg.layouts:
-        return sorted({t for spec in cfg.layouts for t in parse_layout(spec)})
-    out = []
-    tp = 1
-    while tp <= num_devices:
-        try:
-            check_model_tp(model_cfg, tp)
-            out.append(tp)
-        except ValueError:
-            pass
-        tp *= 2
-    return out
 
 
 def _fit_kv_budget(cfg: ServeConfig, model_cfg, layout: Layout, length: int) -> ServeConfig:
@@ -241,30 +239,16 @@ def _say_memory(cfg: ServeConfig, model_cfg, builder, instances, length: int, sa
 
 
 def start_controller(cluster: Cluster, builder: JaxInstanceBuilder, cfg: ServeConfig, say) -> None:
-    """Measure the candidate TP degrees no profile covers (in the background: serving goes on),
-    then hand the controller to the cluster's autoscaler. The thread is not a daemon, and it checks
-    for the cluster stopping between measurements, so the process never exits mid-compile."""
-    tps = candidate_tp_degrees(cfg, builder.model.config, len(builder.layout.devices))
-
-    def setup() -> None:
-        for tp in tps:
-            if cluster.stopping:
-                return
-            if tp not in builder.latency:
-                say(f"controller: measuring TP {tp} for its latency model (serving goes on)")
-                builder.measure_tp(tp)
-        if cluster.stopping:
-            return
-        ctl = ClusterController(cfg.controller_config, num_devices=len(builder.layout.devices), tp_degrees=tps,
-                                latency=dict(builder.latency), slots=cfg.slots,
-                                param_bytes=_param_bytes(builder.model.config), layouts=cfg.layouts or None,
-                                tau_floor=cfg.tau_min, prior=dict(builder.threshold.prior))
-        cluster.autoscaler.set_controller(ctl)
-        say(f"controller: {cfg.controller}, {len(ctl.candidates)} candidate layouts over TP {tps}")
-
-    thread = threading.Thread(target=setup, name="controller-setup")
-    cluster.background.append(thread)
-    thread.start()
+    """Hand the controller to the cluster's autoscaler, over the candidate TP degrees that have a
+    latency model (all of them, but those this process's devices cannot hold)."""
+    tps = [t for t in candidate_tp_degrees(cfg, builder.model.config, len(builder.layout.devices))
+           if t in builder.latency]
+    ctl = ClusterController(cfg.controller_config, num_devices=len(builder.layout.devices), tp_degrees=tps,
+                            latency=dict(builder.latency), slots=cfg.slots,
+                            param_bytes=_param_bytes(builder.model.config), layouts=cfg.layouts or None,
+                            tau_floor=cfg.tau_min, prior=dict(builder.threshold.prior))
+    cluster.autoscaler.set_controller(ctl)
+    say(f"controller: {cfg.controller}, {len(ctl.candidates)} candidate layouts over TP {tps}")
 
 
 def _param_bytes(c) -> int:

@@ -1,5 +1,7 @@
-"""Executor side of the instances: weights per instance, runners and engines, warm-up, latency
-profiles, weight reload and the `InstanceBuilder` a reconfiguration uses (serving/cluster/builder.py).
+"""Executor side of the instances: weights per instance, runners and engines, warm-up, each TP
+degree's latency model (filled by serving/executor/latency_setup.py), temporary instances for
+start-up measurements, weight reload and the `InstanceBuilder` a reconfiguration uses
+(serving/cluster/builder.py).
 
 Instance names say what they are (`core.layouts.instance_name`): `tp4@0-3` is TP 4 on devices
 0-3, `tp1@6` one device. An instance present in two layouts has the same name in both, and a
@@ -7,7 +9,9 @@ reconfiguration keeps it.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import threading
 import time
 from typing import Callable, Sequence
@@ -67,48 +71,54 @@ class JaxInstanceBuilder:
                           self.latency.get(inst.tp, self.placeholder))
         return Engine(runner, sched, name=instance_name(inst))
 
-    def prepare(self, engine: Engine) -> None:
-        """Compile/warm on the engine's own thread, then install its TP degree's latency model
-        (measured on this engine if no profile has one)."""
+    def warm(self, engine: Engine) -> None:
+        """Compile and warm its step shapes on the engine's own thread."""
         t = time.perf_counter()
-        n = engine.call(lambda r=engine.runner, name=engine.name: r.warm_up(progress=True, label=name)).result()
-        del n
-        tp = engine.runner.tp_degree
+        engine.call(lambda r=engine.runner, name=engine.name: r.warm_up(progress=True, label=name)).result()
         first = min(engine.runner.decoder.devices, key=lambda d: d.id).id
-        self._warmed.add((tp, first))
+        self._warmed.add((engine.runner.tp_degree, first))
         self.say(f"{engine.name}: compiled and warmed {len(engine.runner.decoder.config.step_shapes())} step shapes "
                  f"in {time.perf_counter() - t:.1f} s")
-        if tp not in self.latency:
-            self.latency[tp] = self.measure(engine)
-        engine.set_latency_model(self.latency[tp]).result()
 
-    def measure(self, engine: Engine) -> LatencyModel:
-        from dilaserve_jax.serving.executor.profiling import measure_profile
+    def prepare(self, engine: Engine) -> None:
+        """Warm it, then install its TP degree's latency model. Nothing is measured here: a
+        reconfiguration prepares instances beside serving ones (serving/executor/latency_setup.py
+        has every degree's model in hand before the cluster serves)."""
+        self.warm(engine)
+        engine.set_latency_model(self.latency_for(engine.runner.tp_degree)).result()
 
-        t = time.perf_counter()
-        profile = engine.call(lambda r=engine.runner: measure_profile(
-            r, batches=r.decoder.config.batch_buckets, lengths=self.lengths, blocks=self.cfg.block_buckets, repeats=2,
-            progress=False)).result()
-        self.say(f"measured the step-latency profile of TP {engine.runner.tp_degree} in {time.perf_counter() - t:.1f} s")
-        return LatencyModel.from_profile(profile)
+    def latency_for(self, tp: int) -> LatencyModel:
+        """TP `tp`'s latency model; a degree with none (a manual Reconfigure beyond the degrees
+        covered at start-up) takes the nearest covered degree's."""
+        if tp in self.latency:
+            return self.latency[tp]
+        if not self.latency:
+            return self.placeholder
+        near = min(self.latency, key=lambda t: (abs(math.log2(t / tp)), t))
+        log.warning("TP %d has no latency model (it was not covered at start-up); using TP %d's", tp, near)
+        self.latency[tp] = _retarget(self.latency[near], near, tp)
+        return self.latency[tp]
 
-    def measure_tp(self, tp: int) -> LatencyModel:
-        """Profile TP `tp` on a temporary instance over the first `tp` devices (its executables stay
-        cached for that placement, which the widest instance of a layout uses)."""
-        inst = Instance.over(0, self.layout.devices[:tp])
-        with self._lock:
-            source = self._source_for(inst)
+    def temporary_engine(self, tp: int) -> Engine:
+        """A started, warmed engine of TP `tp` over the layout's first `tp` local devices, for a
+        start-up measurement (its executables stay cached for that placement, which the widest
+        instance of a layout uses); the caller stops it."""
         from dilaserve_jax.mesh import place_params
 
+        devices = [d for d in self.layout.devices if d.process_index == jax.process_index()][:tp]
+        if len(devices) < tp:
+            raise ValueError(f"TP {tp} needs {tp} devices of this process; it has {len(devices)}")
+        inst = Instance.over(0, devices)
+        with self._lock:
+            source = self._source_for(inst)
         engine = self.make_engine(inst, place_params(source, inst, self.model.config)).start()
         try:
             engine.call(lambda: engine.runner.warm_up(progress=False)).result()
-            self._warmed.add((tp, inst.device_ids[0]))
-            model = self.measure(engine)
-        finally:
+        except BaseException:
             engine.stop()
-        self.latency[tp] = model
-        return model
+            raise
+        self._warmed.add((tp, inst.device_ids[0]))
+        return engine
 
     # --- InstanceBuilder (serving/cluster/builder.py) ---
     def plan(self, spec: str) -> list[InstanceInfo]:
@@ -202,6 +212,12 @@ class JaxInstanceBuilder:
 def state_sharding(instance: Instance, model_cfg, with_cache: bool):
     template = init_state(model_cfg, 1, 1, with_cache=with_cache)
     return state_shardings(template, kv_cache_sharding(instance, model_cfg), NamedSharding(instance.mesh, P()))
+
+
+def _retarget(model: LatencyModel, tp: int, new_tp: int) -> LatencyModel:
+    """TP `tp`'s fit of `model` as TP `new_tp`'s (the scheduler asks a model for its own degree)."""
+    coefs = {(kind, new_tp): c for (kind, t), c in model.coefs.items() if t == tp}
+    return dataclasses.replace(model, coefs=coefs, label=f"{model.label} (TP {tp}'s, standing in for TP {new_tp})")
 
 
 def _model_bytes(c) -> int:
