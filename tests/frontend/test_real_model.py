@@ -121,39 +121,60 @@ def test_reload_weights_swaps_between_steps(tiny_server, shipped_copy):
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_serve_command_starts_answers_and_stops_on_sigterm(tmp_path):
+def _serve_until_ready(args, deadline_s=480):
+    """`serve ARGS` as a subprocess, its log read until `ready:`: (process, the log so far, port,
+    the queue that gets the rest of the log)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("XLA_FLAGS", None)  # the command must present its own CPU devices
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dilaserve_jax.serve", "--mesh", "2x4", "--port", "0", "--metrics-port", "-1",
-         "--slots", "2", "--compile-cache", str(tmp_path / "xla")],
-        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "dilaserve_jax.serve", *args],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     lines, port = [], None
     # read the log on a thread, so the deadline holds even when the server prints nothing more
     pending: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [pending.put(x) for x in iter(proc.stderr.readline, "")] + [pending.put("")],
                      daemon=True).start()
+    deadline = time.time() + deadline_s
+    while time.time() < deadline:
+        try:
+            line = pending.get(timeout=max(0.1, deadline - time.time()))
+        except queue.Empty:
+            break
+        if not line:
+            break
+        lines.append(line)
+        if m := re.search(r"listening on grpc://127\.0\.0\.1:(\d+)", line):
+            port = int(m.group(1))
+        # progress bars leave carriage returns and, when two instances compile at once, cursor
+        # moves (ANSI escapes) in front of the next line: look for the message, not a line start
+        if "ready: serving" in line:
+            break
+    return proc, "".join(lines), port, pending
+
+
+def _stop(proc, pending) -> str:
+    """SIGTERM, exit 0, and the rest of the log."""
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    rest = []
+    while (x := pending.get(timeout=10)) != "":
+        rest.append(x)
+    return "".join(rest)
+
+
+def test_serve_command_starts_answers_and_stops_on_sigterm(tmp_path):
+    """Cold: the controller's TP degrees (4 of the layout, 1 on a temporary instance) are measured
+    before `ready:`; warm (same caches): read back, nothing measured."""
+    args = ["--mesh", "2x4", "--layouts", "2x4,8x1", "--port", "0", "--metrics-port", "-1", "--slots", "2",
+            "--compile-cache", str(tmp_path / "xla")]
+    proc, log, port, pending = _serve_until_ready(args)
     try:
-        deadline = time.time() + 480
-        while time.time() < deadline:
-            try:
-                line = pending.get(timeout=max(0.1, deadline - time.time()))
-            except queue.Empty:
-                break
-            if not line:
-                break
-            lines.append(line)
-            if m := re.search(r"listening on grpc://127\.0\.0\.1:(\d+)", line):
-                port = int(m.group(1))
-            # progress bars leave carriage returns and, when two instances compile at once, cursor
-            # moves (ANSI escapes) in front of the next line: look for the message, not a line start
-            if "ready: serving" in line:
-                break
-        log = "".join(lines)
         assert port and "ready:" in log, log[-3000:]
         assert "presenting 8 CPU devices" in log and "2x4 = TP4[0-3] + TP4[4-7]" in log
         assert "Unable to initialize backend" not in log and "auth: off" in log and "allowed on loopback" in log
         assert "tp4@4-7: compiling decode steps" in log  # the progress bar names its instance
+        for tp in (1, 4):
+            assert f"latency model of TP {tp}: measured" in log and str(tmp_path / "latency-profiles") in log
+        assert "controller: auto" in log and "measuring" not in log
         out = subprocess.run([sys.executable, "-m", "dilaserve_jax.client", "--target", f"127.0.0.1:{port}",
                               "--max-new-tokens", "12", "--block-length", "12", "--tau-min", "1", "--tau-max", "1",
                               "--json", "sort 93142="], capture_output=True, text=True, timeout=120)
@@ -166,12 +187,13 @@ def test_serve_command_starts_answers_and_stops_on_sigterm(tmp_path):
                                                               12, 12, 1.0)])
         assert reply["text"] == model.tokenizer.decode(expected.answer)
         assert reply["steps"] == expected.steps and reply["mean_tau"] == 1.0
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
-        rest = []
-        while (x := pending.get(timeout=10)) != "":
-            rest.append(x)
-        assert "draining" in "".join(rest)
+        rest = _stop(proc, pending)
+        assert "draining" in rest and "latency model" not in rest  # nothing measured after ready
+        proc, log, port, pending = _serve_until_ready(args)
+        assert port and "ready:" in log, log[-3000:]
+        assert "latency model of TP 1: read from" in log and "latency model of TP 4: read from" in log
+        assert "measured" not in log
+        _stop(proc, pending)
     finally:
         if proc.poll() is None:
             proc.kill()
