@@ -10,17 +10,32 @@ import argparse
 import re
 from dataclasses import dataclass
 
+from dilaserve_jax.core.cli import add_config_arguments, opt
+
 _ADDRESS = re.compile(r"^[^\s:]+:\d{1,5}$")
+_GROUP = "multi-host"
 
 
 @dataclass(frozen=True, slots=True)
 class DistributedConfig:
-    coordinator: str  # host:port of process 0's coordination service
-    num_processes: int
-    process_id: int
-    timeout_s: int = 300  # how long to wait for every process to join
+    """The multi-host flags: all three of coordinator, num_processes and process_id, or none of them
+    (one process; `enabled` is False)."""
+
+    coordinator: str | None = opt(None, "address of process 0's coordination service (e.g. 10.0.0.1:8476)",
+                                  metavar="HOST:PORT")
+    num_processes: int | None = opt(None, "total number of processes", metavar="N")
+    process_id: int | None = opt(None, "this process's rank, 0..N-1", metavar="I")
+    timeout_s: int = opt(300, "seconds to wait for all processes to join", name="--distributed-timeout", metavar="S")
 
     def __post_init__(self):
+        flags = {"--coordinator": self.coordinator, "--num-processes": self.num_processes,
+                 "--process-id": self.process_id}
+        missing = [flag for flag, value in flags.items() if value is None]
+        if len(missing) == len(flags):
+            return
+        if missing:
+            raise ValueError(f"multi-host runs need --coordinator, --num-processes and --process-id; missing "
+                             f"{', '.join(missing)}")
         if not _ADDRESS.match(self.coordinator):
             raise ValueError(f"--coordinator must be host:port, got {self.coordinator!r}")
         if self.num_processes < 1:
@@ -30,28 +45,20 @@ class DistributedConfig:
         if self.timeout_s <= 0:
             raise ValueError(f"--distributed-timeout must be positive, got {self.timeout_s}")
 
+    @property
+    def enabled(self) -> bool:
+        return self.coordinator is not None
+
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    group = parser.add_argument_group("multi-host", "run one process per host; all three flags or none")
-    group.add_argument("--coordinator", metavar="HOST:PORT", default=None,
-                       help="address of process 0's coordination service (e.g. 10.0.0.1:8476)")
-    group.add_argument("--num-processes", type=int, default=None, metavar="N", help="total number of processes")
-    group.add_argument("--process-id", type=int, default=None, metavar="I", help="this process's rank, 0..N-1")
-    group.add_argument("--distributed-timeout", type=int, default=300, metavar="S",
-                       help="seconds to wait for all processes to join (default 300)")
-    return parser
+    parser.add_argument_group(_GROUP, "run one process per host; all three flags or none")
+    return add_config_arguments(parser, DistributedConfig, group=_GROUP)
 
 
 def distributed_config(args: argparse.Namespace) -> DistributedConfig | None:
-    """The validated flags, or None for a single-process run (no flag given)."""
-    values = {"--coordinator": args.coordinator, "--num-processes": args.num_processes, "--process-id": args.process_id}
-    given = [flag for flag, value in values.items() if value is not None]
-    if not given:
-        return None
-    if len(given) != len(values):
-        missing = [flag for flag in values if flag not in given]
-        raise ValueError(f"multi-host runs need --coordinator, --num-processes and --process-id; missing {', '.join(missing)}")
-    return DistributedConfig(args.coordinator, args.num_processes, args.process_id, args.distributed_timeout)
+    """The validated flags (ValueError says what is wrong), or None for a single-process run."""
+    config = DistributedConfig(args.coordinator, args.num_processes, args.process_id, args.distributed_timeout)
+    return config if config.enabled else None
 
 
 def init_distributed(args: argparse.Namespace) -> DistributedConfig | None:
