@@ -22,10 +22,10 @@ def runner():
 def _decode(runner, prompt, tau=0.7):
     runner.admit(0, prompt, 16, 8)
     while True:
-        kind = StepKind.REFRESH if runner.needs_refresh(0) else StepKind.REUSE
+        kind = StepKind.REFRESH if runner.decoder.needs_refresh(0) else StepKind.REUSE
         if runner.step(kind, [0], [tau])[0].request_finished:
             break
-    out = runner.canvas(0)
+    out = runner.decoder.canvas(0)
     runner.release(0)
     return out
 
