@@ -8,7 +8,8 @@ import pytest
 from serving_support import req
 from dilaserve_jax.serving.cluster.engine import Engine
 from dilaserve_jax.serving.cluster.fake_runner import FakeClock, FakeRunner
-from dilaserve_jax.serving.policy.quality import AccuracyModel, QualityBudget, QualityConfig, changed_commits, curve_loss
+from dilaserve_jax.serving.policy.accuracy import AccuracyModel, changed_commits, curve_loss
+from dilaserve_jax.serving.policy.quality import QualityBudget, QualityConfig
 from dilaserve_jax.serving.policy.request import Request, RequestState
 from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
 from dilaserve_jax.serving.policy.eval_rows import accuracy_from_eval_json, prior_from_eval_json, read_eval_rows

@@ -31,7 +31,8 @@ from dilaserve_jax.serving.executor.latency_setup import (LatencySetup, Profiler
 from dilaserve_jax.serving.executor.profile_cache import ProfileCache
 from dilaserve_jax.serving.policy.latency import LatencyModel, Profile
 from dilaserve_jax.serving.policy.limits import Limits
-from dilaserve_jax.serving.policy.quality import BUDGET_MODES, AccuracyModel
+from dilaserve_jax.serving.policy.accuracy import AccuracyModel
+from dilaserve_jax.serving.policy.quality import BUDGET_MODES
 from dilaserve_jax.serving.policy.scheduler import ADMISSION_MODES, POLICIES
 from dilaserve_jax.serving.policy.eval_rows import describe_priors, eval_rows_beside, read_eval_rows
 from dilaserve_jax.serving.policy.threshold import ThresholdConfig

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from dilaserve_jax.serving.policy.eval_rows import prior_from_eval_json, read_eval_rows
-from dilaserve_jax.serving.policy.quality import QualityBudget, QualityConfig, QualitySnapshot, interpolate
+from dilaserve_jax.serving.policy.accuracy import interpolate
+from dilaserve_jax.serving.policy.quality import QualityBudget, QualityConfig, QualitySnapshot
 from dilaserve_jax.serving.policy.request import Request, steps_left
 from dilaserve_jax.core.kinds import StepKind
 
