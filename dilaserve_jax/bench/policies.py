@@ -6,12 +6,15 @@ policies on one real instance (Engine + JaxRunner, real clock, in-process, no ne
 2. Capacity: every prompt of the held-out pool alone on the idle instance at the static τ (its idle
    latency, and whether its answer is valid there: the per-prompt reference the accuracy drop is
    paired against), then the whole pool at once (throughput, requests/s, with all slots).
-3. For each rate: one Poisson arrival trace of pool prompts over `--duration` seconds; each request's
-   SLO is a multiple, uniform in `--slo-range`, of its own idle latency. Every run serves the same
-   trace, one after another (the order rotates per rate, so background load drifts evenly):
-   fcfs-static, edf-static, and dilaserve once per accuracy-loss budget of the sweep (plus the
-   fixed-floor baseline at the finite positive budgets). Answers are graded with the task graders;
-   rejected requests count as SLO misses.
+3. For each rate: one Poisson arrival trace of pool prompts over `--duration` seconds, or a window of
+   a trace CSV scaled in time to the rate (`--trace`); each request's SLO is a multiple, uniform in
+   `--slo-range`, of its own idle latency, or `--slo-factor` times its task's median idle latency
+   (`bench/policies_workload.py`). Every run serves the same trace, one after another (the order
+   rotates per rate, so background load drifts evenly): fcfs-static, edf-static, dilaserve exactly
+   as serve ships it (`--defaults-row`: its τ floor, the eval rows' accuracy plateau as ceiling, its
+   budget measured from there, best-effort admission), and dilaserve once per accuracy-loss budget
+   of the sweep at `--tau-min`/`--tau-max` (plus the fixed-floor baseline at the finite positive
+   budgets). Answers are graded with the task graders; refused requests count as SLO misses.
 
 The pool skips the held-out problems the shipped eval rows were measured on (`--pool-skip`), so the
 accuracy model is never tested on the problems it was calibrated with.
@@ -35,8 +38,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dilaserve_jax.bench.policies_bench import Bench, BenchConfig, budget_label
-from dilaserve_jax.bench.policies_report import format_table, headline, plot_pareto, plot_rates, run_row
+from dilaserve_jax.bench.policies_bench import Bench
+from dilaserve_jax.bench.policies_config import BenchConfig, budget_label
+from dilaserve_jax.bench.policies_report import (format_table, headline, paired_drop, plot_pareto, plot_rates,
+                                                 run_row)
 from dilaserve_jax.core.cli import add_config_arguments, config_from_args, opt, returns_exit_status, setup_logging
 from dilaserve_jax.serve import DEFAULT_COMPILE_CACHE
 
@@ -51,6 +56,7 @@ def run(cfg: BenchConfig, progress: bool = True) -> tuple[list[dict], dict, dict
     info = {"capacity_rps": cap, "idle_latency_mean": float(np.mean(idle)), "idle_latency_max": float(np.max(idle)),
             "pool": len(bench.items), "pool_skip": cfg.pool_skip, "slots": cfg.slots, "slo_range": list(cfg.slo_range),
             "duration": cfg.duration, "tau_range": [cfg.tau_min, cfg.tau_max], "static_tau": cfg.static_tau,
+            "workload": bench.workload.describe(), "admission": cfg.admission,
             "reference_accuracy": float(np.mean(bench.reference)), "latency_model": bench.latency.label,
             "fit": str(bench.latency.report), "clock": cfg.clock,
             "profile_points": [[p.kind.label, p.batch, p.canvas, p.block, p.seconds] for p in bench.profile.points],
@@ -64,7 +70,16 @@ def run(cfg: BenchConfig, progress: bool = True) -> tuple[list[dict], dict, dict
         info["fixed_floor"] = {budget_label(b): floor_of(b) for b in cfg.budgets}
         log.info("fixed floor per budget (lowest τ whose pooled loss vs τ_max is within it): "
                  + ", ".join(f"{k}: {v:g}" for k, v in info["fixed_floor"].items()))
-    runs = cfg.runs(floor_of)
+    shipped = bench.shipped() if cfg.defaults_row else None
+    if shipped is not None:
+        info["defaults"] = {"policy": shipped.policy, "tau_range": [shipped.tau_min, shipped.tau_max],
+                            "budget": shipped.budget, "budget_mode": shipped.budget_mode,
+                            "admission": shipped.admission}
+        log.info(f"dilaserve (defaults): τ in [{shipped.tau_min:g}, {shipped.tau_max:g}], budget "
+                 f"{budget_label(shipped.budget)} points from τ {shipped.tau_max:g} ({shipped.budget_mode}), "
+                 f"{shipped.admission} admission")
+    log.info(bench.workload.describe())
+    runs = cfg.runs(floor_of, shipped)
     rows, records = [], {}
     for k, rate in enumerate(rates):
         pooled: dict[tuple, list] = {r: [] for r in runs}
@@ -87,6 +102,8 @@ def run(cfg: BenchConfig, progress: bool = True) -> tuple[list[dict], dict, dict
             by_run[(policy, budget, mode)] = run_row(policy, budget, mode, rate, recs, quality[(policy, budget, mode)],
                                                      *busy[(policy, budget, mode)], duration=cfg.duration * cfg.traces)
             by_run[(policy, budget, mode)]["host_load"] = os.getloadavg()[0]  # other jobs on the machine
+            if mode == "defaults":
+                by_run[(policy, budget, mode)]["budget_mode"] = shipped.budget_mode
         base = by_run[("fcfs-static", None, "-")]
         base_met = [r["met"] for r in pooled[("fcfs-static", None, "-")]]
         for run_key in runs:
@@ -96,6 +113,7 @@ def run(cfg: BenchConfig, progress: bool = True) -> tuple[list[dict], dict, dict
             row["slo_gain_ci"] = 1.96 * float(diffs.std(ddof=1)) / np.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
             row["latency_change"] = row["mean_latency"] / base["mean_latency"] - 1
             row["accuracy_drop"] = base["accuracy"] - row["accuracy"]
+            row["paired_drop_vs_fcfs"] = paired_drop(pooled[("fcfs-static", None, "-")], pooled[run_key])
             rows.append(row)
             log.info(format_table([row], header=False))
     return rows, info, records
@@ -117,10 +135,12 @@ class PoliciesCommand:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dilaserve_jax.bench.policies",
-        description="Serve Poisson arrivals of held-out task prompts on one real instance with each scheduling "
-                    "policy (fcfs-static, edf-static, and dilaserve at each accuracy-loss budget) at several request "
-                    "rates; print SLO attainment, mean/p99 latency, accuracy and its drop vs fcfs-static (paired per "
-                    "prompt, with a 95% confidence interval), predicted loss, mean τ and tokens per step.")
+        description="Serve Poisson arrivals (or a trace's, scaled to each rate) of held-out task prompts on one real "
+                    "instance with each scheduling policy (fcfs-static, edf-static, dilaserve as serve ships it, and "
+                    "dilaserve at each accuracy-loss budget) at several request rates; print SLO attainment (over "
+                    "all requests and over the served ones), mean/p99 latency and that of late answers, accuracy "
+                    "and its drop vs fcfs-static (paired per prompt, with a 95% confidence interval), predicted "
+                    "loss, mean τ and tokens per step.")
     add_config_arguments(p, BenchConfig, exclude=("static_tau",))
     return add_config_arguments(p, PoliciesCommand)
 

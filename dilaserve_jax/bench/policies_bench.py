@@ -1,101 +1,22 @@
-"""The policies benchmark's serving side: its configuration (`BenchConfig`, whose fields are
-`bench.policies`' flags), the pool of held-out prompts, the start-up profile and one serving run of
-a trace on a fresh scheduler (`Bench.serve`), in real time or on the modeled clock
-(`ProfiledTimeRunner`). `bench.policies` sweeps it over rates and policies; `bench.sim_validate`
-replays its runs in the simulator.
+"""The policies benchmark's serving side: the pool of held-out prompts, the start-up profile and one
+serving run of a trace on a fresh scheduler (`Bench.serve`), in real time or on the modeled clock
+(`ProfiledTimeRunner`). Its configuration (`BenchConfig`, whose fields are `bench.policies`' flags)
+is in `bench/policies_config.py`, its arrivals and SLOs in `bench/policies_workload.py`.
+`bench.policies` sweeps it over rates and policies; `bench.sim_validate` replays its runs in the
+simulator.
 """
 from __future__ import annotations
 
 import logging
-import math
 import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
+from dilaserve_jax.bench.policies_config import BenchConfig, ShippedDefaults
+from dilaserve_jax.bench.policies_workload import Workload
 from dilaserve_jax.core.buckets import bucket_for, slot_buckets
-from dilaserve_jax.core.cli import opt, or_none
-from dilaserve_jax.kernels import IMPLEMENTATIONS
 
 log = logging.getLogger(__name__)
-
-DEFAULT_BUDGETS = (0.0, 0.5, 1.0, 2.0, 5.0, None)  # points; None: unbounded
-CLOCKS = ("real", "modeled")
-
-
-def budget_label(budget: float | None) -> str:
-    return "inf" if budget is None else f"{budget:g}"
-
-
-@dataclass(frozen=True, slots=True)
-class BenchConfig:
-    """The workload, the instance and the sweep of one benchmark (`bench.policies`' flags)."""
-
-    model: str = opt("tiny", "preset or checkpoint directory")
-    attention: str = opt("auto", "attention implementation (auto = Pallas on GPU/TPU, XLA on CPU)",
-                         choices=IMPLEMENTATIONS)
-    rates: tuple[float, ...] = opt((), "request rates in req/s",
-                                   default_text="--load-factors times the measured capacity")
-    load_factors: tuple[float, ...] = opt((0.3, 0.7, 1.2, 2.0), "rates as multiples of the measured capacity")
-    duration: float = opt(10.0, "seconds of arrivals per trace")
-    traces: int = opt(1, "Poisson traces per rate (different seeds); every run serves all of them, pooled: more "
-                         "requests per point")
-    slo_range: tuple[float, float] = opt((2.0, 6.0), "SLO = uniform(LO, HI) x the request's idle latency at the "
-                                                     "static τ", metavar=("LO", "HI"))
-    slots: int = opt(8, "slots of the instance")
-    per_task: int = opt(20, "held-out problems per task in the pool")
-    pool_skip: int = opt(100, "skip the first N held-out problems per task, the eval rows' sample", metavar="N")
-    tau_min: float = opt(0.6, "dilaserve quality floor")
-    tau_max: float = opt(0.9, "dilaserve ceiling")
-    static_tau: float = 0.9  # the static policies' τ and the per-prompt reference's; not a flag
-    budgets: tuple[float | None, ...] = opt(
-        DEFAULT_BUDGETS, "dilaserve accuracy-loss budgets to sweep, points vs τ_max, 'inf' = unbounded",
-        name="--max-accuracy-drop", parse=or_none(float, "inf", "none", "unbounded"), nargs="+", metavar="PTS",
-        default_text=" ".join(map(budget_label, DEFAULT_BUDGETS)))
-    floor_baseline: bool = opt(True, "also run the fixed-floor baseline (lowest τ within budget for everyone) at the "
-                                     "finite positive budgets")
-    prior: str | None = opt(None, "eval --json rows: the τ -> tokens/step and τ -> accuracy priors",
-                            default_text="the model directory's eval.json, if present")
-    profile: str | None = opt(None, "latency profile JSON for the schedulers and the modeled clock",
-                              default_text="measured at start")
-    profile_passes: int = opt(3, "profile passes; each shape keeps its fastest (other jobs only slow steps down)")
-    save_profile: str | None = opt(None, "write the profile measured at start-up (rerun with --profile PATH --clock "
-                                         "modeled to repeat a run exactly)", metavar="PATH")
-    seed: int = opt(0, "workload seed")
-    clock: str = opt("real", "real: serve in real time; modeled: real steps, virtual clock advanced by each step's "
-                             "profiled time (reproducible, untouched by other load; scheduling time not counted)",
-                     choices=CLOCKS)
-
-    def __post_init__(self):
-        if self.clock not in CLOCKS:
-            raise ValueError(f"clock must be one of {CLOCKS}, got {self.clock!r}")
-        if (self.duration <= 0 or self.slots < 1 or self.per_task < 1 or self.pool_skip < 0 or self.profile_passes < 1
-                or self.traces < 1):
-            raise ValueError("duration, slots, per_task, profile_passes and traces must be positive, pool_skip >= 0")
-        if not (0 < self.slo_range[0] <= self.slo_range[1]):
-            raise ValueError(f"bad SLO range {self.slo_range}")
-        if any(r <= 0 for r in self.rates) or any(f <= 0 for f in self.load_factors):
-            raise ValueError("rates and load factors must be positive")
-        if not (self.rates or self.load_factors):
-            raise ValueError("need rates or load factors")
-        if not 0 < self.tau_min <= self.tau_max <= 1 or not 0 < self.static_tau <= 1:
-            raise ValueError("need 0 < tau_min <= tau_max <= 1 and static_tau in (0, 1]")
-        if not self.budgets or any(b is not None and not (0 <= b < math.inf) for b in self.budgets):
-            raise ValueError(f"budgets must be points >= 0 (or unbounded), got {self.budgets}")
-        object.__setattr__(self, "budgets", tuple(dict.fromkeys(self.budgets)))  # a budget given twice runs once
-
-    def runs(self, floor_of=None) -> list[tuple[str, float | None, str]]:
-        """(policy, budget, mode) of every run at one rate. The fixed floor runs only at the budgets
-        whose floor lies below the budget-0 floor (`floor_of(budget) -> τ`); elsewhere it is the
-        budget-0 policy."""
-        out = [("fcfs-static", None, "-"), ("edf-static", None, "-")]
-        out += [("dilaserve", b, "adaptive") for b in self.budgets]
-        if self.floor_baseline:
-            out += [("dilaserve", b, "floor") for b in self.budgets if b is not None and b > 0
-                    and (floor_of is None or floor_of(b) < floor_of(0.0))]
-        return out
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +100,10 @@ class Bench:
             self.lengths[it.answer] = max(self.lengths.get(it.answer, 0), need)
         self.rows = self._eval_rows()
         self.reference: list[bool] = []  # per item: valid at the static τ alone
+        self.workload = Workload([it.problem.task for it in self.items], duration=cfg.duration,
+                                 slo_range=cfg.slo_range, slo_factor=cfg.slo_factor, trace=cfg.trace,
+                                 trace_min_generated=cfg.trace_min_generated, seed=cfg.seed)
+        self._shipped: ShippedDefaults | None = None
 
     def _eval_rows(self) -> list[dict] | None:
         from dilaserve_jax.serving.policy.eval_rows import describe_priors, eval_rows_beside, read_eval_rows
@@ -199,11 +124,22 @@ class Bench:
             return ThresholdConfig()
         return ThresholdConfig.from_eval(self.rows, max_accuracy_drop=budget, budget_mode=mode if mode != "-" else "adaptive")
 
+    def shipped(self) -> ShippedDefaults:
+        """serve's defaults on this model: resolved once by serve's own code (τ ceiling, budget, rows)."""
+        if self._shipped is None:
+            from dilaserve_jax.serving.executor.build import ServeConfig, _threshold_config
+
+            threshold, serve = _threshold_config(ServeConfig(model=self.cfg.model, prior=self.cfg.prior),
+                                                 self.model.source, lambda line: self.log.info(f"serve: {line}"))
+            self._shipped = ShippedDefaults(serve.policy, serve.tau_min, serve.tau_max, serve.max_accuracy_drop,
+                                            serve.budget_mode, serve.admission, threshold)
+        return self._shipped
+
     def floor_of(self):
         """budget -> the fixed floor at this benchmark's τ range (None without an accuracy model)."""
         if self.rows is None:
             return None
-        from dilaserve_jax.serving.policy.quality import AccuracyModel
+        from dilaserve_jax.serving.policy.accuracy import AccuracyModel
         from dilaserve_jax.serving.policy.threshold import TAU_GRID
 
         model, cfg = AccuracyModel.from_eval(self.rows), self.cfg
@@ -258,8 +194,17 @@ class Bench:
         from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
 
         cfg = self.cfg
-        sched = Scheduler(SchedulerConfig(cfg.slots, policy=policy, static_tau=cfg.static_tau, max_queue=10_000,
-                                          threshold=self.threshold_config(budget, mode)), self.latency)
+        if mode == "defaults":  # as serve builds an instance's scheduler (the queue bound is the benchmark's)
+            ship = self.shipped()
+            tau_min, tau_max = ship.tau_min, ship.tau_max
+            sched_cfg = SchedulerConfig(cfg.slots, policy=ship.policy, max_queue=10_000, admission=ship.admission,
+                                        threshold=ship.threshold)
+        else:
+            tau_min, tau_max = cfg.tau_min, cfg.tau_max
+            sched_cfg = SchedulerConfig(cfg.slots, policy=policy, static_tau=cfg.static_tau, max_queue=10_000,
+                                        admission=cfg.admission if policy == "dilaserve" else "best-effort",
+                                        threshold=self.threshold_config(budget, mode))
+        sched = Scheduler(sched_cfg, self.latency)
         if cfg.clock == "modeled":
             from dilaserve_jax.serving.cluster.fake_runner import FakeClock
 
@@ -283,7 +228,7 @@ class Bench:
                 it = self.items[i]
                 # arrival is the scheduled time: a request that comes in mid-step waits for the step, as it would
                 r = make_request(f"q{len(reqs)}", it.tokens, it.answer, it.block, t0 + offset, slo,
-                                 tau_min=cfg.tau_min, tau_max=cfg.tau_max)
+                                 tau_min=tau_min, tau_max=tau_max)
                 shapes[r.id] = (len(it.tokens) + it.answer, it.block)
                 reqs.append(r)
                 handles.append(engine.submit(r))
@@ -316,8 +261,8 @@ class Bench:
             if valid[0] != valid[1]:
                 raise RuntimeError(f"item {i}: two idle runs at τ={self.cfg.static_tau} disagree (decoding not deterministic)")
             self.reference.append(valid[0])
-        copies = -(-4 * self.cfg.slots // len(self.items))  # enough work that the slots stay full, not tail-bound
-        work = [(0.0, i, 1e9) for _ in range(copies) for i in range(len(self.items))]
+        # enough work that the slots stay full, not tail-bound, in the workload's mix of prompts
+        work = [(0.0, i, 1e9) for i in self.workload.capacity_items(4 * self.cfg.slots)]
         reqs = self.serve("fcfs-static", work, "capacity")
         makespan = max(r.finish_time for r in reqs) - min(r.arrival for r in reqs)
         return idle, len(reqs) / makespan
@@ -328,13 +273,8 @@ class Bench:
         return bool(grade(self.items[self.index[r.prompt_tokens]].problem, self.model.tokenizer.decode(r.output_tokens or [])))
 
     def trace(self, rate: float, idle: list[float], seed: int) -> list[tuple[float, int, float]]:
-        rng = np.random.default_rng([self.cfg.seed, seed])
-        out, t = [], float(rng.exponential(1 / rate))
-        while t < self.cfg.duration:
-            i = int(rng.integers(len(self.items)))
-            out.append((t, i, float(rng.uniform(*self.cfg.slo_range)) * idle[i]))
-            t += float(rng.exponential(1 / rate))
-        return out
+        """(arrival offset, pool index, SLO) of one trace at `rate` (see `bench/policies_workload.py`)."""
+        return self.workload.trace(rate, idle, seed)
 
     def records(self, reqs: list) -> list[dict]:
         """Per request: item, task, outcome, τ trajectory, predicted loss, graded validity (and at the
@@ -346,7 +286,7 @@ class Bench:
             i = self.index[r.prompt_tokens]
             ok = r.state == RequestState.FINISHED_OK
             out.append({"id": r.id, "item": i, "task": self.items[i].problem.task, "state": r.state.name,
-                        "arrival": r.arrival, "deadline": r.deadline, "finish": r.finish_time,
+                        "arrival": r.arrival, "start": r.start_time, "deadline": r.deadline, "finish": r.finish_time,
                         "latency": r.finish_time - r.arrival if ok else None, "met": bool(r.deadline_met),
                         "steps": len(r.steps), "tau_sum": sum(s.tau for s in r.steps),
                         "committed": sum(s.n_committed for s in r.steps), "taus": [s.tau for s in r.steps],

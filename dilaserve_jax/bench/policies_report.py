@@ -20,15 +20,32 @@ def run_row(policy: str, budget, mode: str, rate: float, recs: list[dict], quali
     done = [r for r in recs if r["state"] == "FINISHED_OK"]
     diffs = np.array([int(r["valid_at_static_tau"]) - int(r["valid"]) for r in done], dtype=float)
     n = len(diffs)
+    late = [r["latency"] for r in done if not r["met"]]
     return {"policy": policy, "mode": mode, "budget": budget, "rate": rate, **summarize(recs, duration=duration),
+            "served_attainment": sum(r["met"] for r in done) / len(done) if done else math.nan,  # refusals left out
+            "late": len(late), "late_latency": float(np.mean(late)) if late else math.nan,
             # measured loss paired per prompt: valid at the static τ alone minus valid here (points)
             "paired_drop": 100 * float(diffs.mean()) if n else float("nan"),
             "paired_drop_ci": 100 * 1.96 * float(diffs.std(ddof=1)) / math.sqrt(n) if n > 1 else float("nan"),
             "quality": quality, "step_busy_s": busy, "wall_s": wall}
 
 
-HEAD = (f"{'policy':<12}{'mode':>9}{'budget':>7}{'req/s':>7}{'load':>6}{'n':>5}{'rej':>5}{'SLO %':>7}{'ΔSLO':>7}"
-        f"{'mean s':>8}{'Δlat %':>8}{'acc %':>7}{'drop':>7}{'paired ± 95%':>15}{'pred':>6}{'τ':>6}{'tok/st':>7}")
+def paired_drop(base: list[dict], recs: list[dict]) -> float:
+    """Accuracy lost per request against `base` (the same trace's requests, in the same order), in
+    points: over the requests both completed and graded, valid in `base` minus valid here."""
+    both = [(b["valid"], r["valid"]) for b, r in zip(base, recs) if b["valid"] is not None and r["valid"] is not None]
+    return 100 * float(np.mean([int(b) - int(r) for b, r in both])) if both else math.nan
+
+
+def run_name(r: dict) -> str:
+    return f"{r['policy']} (defaults)" if r["mode"] == "defaults" else r["policy"]
+
+
+# SLO %: met / all requests (refused ones miss); srv %: met / served; late s: mean latency of the served
+# late; vs fcfs: accuracy lost per request against fcfs-static on the same trace
+HEAD = (f"{'policy':<21}{'mode':>9}{'budget':>7}{'req/s':>7}{'load':>6}{'n':>5}{'rej':>5}{'SLO %':>7}{'srv %':>7}"
+        f"{'ΔSLO':>7}{'mean s':>8}{'Δlat %':>8}{'p99 s':>7}{'late s':>7}{'acc %':>7}{'drop':>7}{'paired ± 95%':>15}"
+        f"{'vs fcfs':>8}{'pred':>6}{'τ':>6}{'tok/st':>7}")
 
 
 def format_row(r: dict) -> str:
@@ -36,10 +53,13 @@ def format_row(r: dict) -> str:
     dlat = f"{100 * r['latency_change']:+8.0f}" if "latency_change" in r else f"{'':>8}"
     drop = f"{100 * r['accuracy_drop']:+7.1f}" if "accuracy_drop" in r else f"{'':>7}"
     paired = f"{r['paired_drop']:+.2f} ± {r['paired_drop_ci']:.2f}"
-    return (f"{r['policy']:<12}{r['mode']:>9}{_label(r['budget']) if r['policy'] == 'dilaserve' else '-':>7}"
+    mode = r.get("budget_mode", r["mode"])
+    return (f"{run_name(r):<21}{mode:>9}{_label(r['budget']) if r['policy'] == 'dilaserve' else '-':>7}"
             f"{r['rate']:>7.2f}{r.get('load', float('nan')):>6.2f}{r['requests']:>5}{r['rejected']:>5}"
-            f"{100 * r['slo_attainment']:>7.1f}{gain}{r['mean_latency']:>8.3f}{dlat}{100 * r['accuracy']:>7.1f}{drop}"
-            f"{paired:>15}{r.get('predicted_loss_points', math.nan):>6.2f}{r['mean_tau']:>6.3f}{r['tokens_per_step']:>7.2f}")
+            f"{100 * r['slo_attainment']:>7.1f}{100 * r.get('served_attainment', math.nan):>7.1f}{gain}"
+            f"{r['mean_latency']:>8.3f}{dlat}{r['p99_latency']:>7.2f}{r.get('late_latency', math.nan):>7.2f}"
+            f"{100 * r['accuracy']:>7.1f}{drop}{paired:>15}{r.get('paired_drop_vs_fcfs', math.nan):>+8.2f}"
+            f"{r.get('predicted_loss_points', math.nan):>6.2f}{r['mean_tau']:>6.3f}{r['tokens_per_step']:>7.2f}")
 
 
 def format_table(rows: list[dict], header: bool = True) -> str:
@@ -52,14 +72,32 @@ def _find(rows, rate, policy, mode="-", budget=None):
                  and r["budget"] == budget), None)
 
 
+def defaults_lines(rows: list[dict]) -> list[str]:
+    """dilaserve as shipped against both static policies at every rate."""
+    lines = []
+    for rate in sorted({r["rate"] for r in rows}):
+        d = next((r for r in rows if r["rate"] == rate and r["mode"] == "defaults"), None)
+        f, e = _find(rows, rate, "fcfs-static"), _find(rows, rate, "edf-static")
+        if d is None or f is None or e is None:
+            continue
+        lines.append(f"at {rate:g} req/s ({d.get('load', math.nan):.2f}x capacity) dilaserve (defaults) attains "
+                     f"{100 * d['slo_attainment']:.1f}%: {100 * (d['slo_attainment'] - f['slo_attainment']):+.1f} "
+                     f"points vs fcfs-static, {100 * (d['slo_attainment'] - e['slo_attainment']):+.1f} vs edf-static; "
+                     f"mean latency {100 * (d['mean_latency'] / f['mean_latency'] - 1):+.0f}% vs fcfs-static; "
+                     f"accuracy lost per request vs fcfs-static {d.get('paired_drop_vs_fcfs', math.nan):+.2f} points; "
+                     f"{d['rejected']} refused")
+    return lines
+
+
 def headline(rows: list[dict]) -> str:
-    """dilaserve vs fcfs-static at every rate where fcfs-static attains <= 50%: budget 1 point, and how
-    much of it scheduling and load control alone (budget 0) and the fixed floor give."""
+    """dilaserve as shipped against the static policies at every rate; then dilaserve vs fcfs-static at
+    every rate where fcfs-static attains <= 50%: budget 1 point, and how much of it scheduling and load
+    control alone (budget 0) and the fixed floor give."""
     rates = sorted({r["rate"] for r in rows})
+    lines = defaults_lines(rows)
     overload = [x for x in rates if _find(rows, x, "fcfs-static")["slo_attainment"] <= 0.5]
     if not overload:
-        return "fcfs-static attains > 50% at every rate measured: no overload point to compare at"
-    lines = []
+        return "\n".join([*lines, "fcfs-static attains > 50% at every rate measured: no overload point to compare at"])
     for rate in overload:
         f = _find(rows, rate, "fcfs-static")
         lines.append(f"at {rate:g} req/s (fcfs-static attains {100 * f['slo_attainment']:.1f}%):")
@@ -95,12 +133,14 @@ def plot_rates(rows: list[dict], info: dict, path: str) -> None:
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     series = [("fcfs-static", "-", None), ("edf-static", "-", None)]
+    series += sorted({("dilaserve", "defaults", r["budget"]) for r in rows if r["mode"] == "defaults"}, key=str)
     series += sorted({("dilaserve", r["mode"], r["budget"]) for r in rows if r["policy"] == "dilaserve"
                       and r["mode"] == "adaptive"}, key=lambda s: math.inf if s[2] is None else s[2])
     for policy, mode, budget in series:
         rs = sorted((r for r in rows if (r["policy"], r["mode"], r["budget"]) == (policy, mode, budget)),
                     key=lambda r: r["rate"])
-        label = policy if policy != "dilaserve" else f"dilaserve, budget {_label(budget)}"
+        label = (policy if policy != "dilaserve" else "dilaserve (defaults)" if mode == "defaults"
+                 else f"dilaserve, budget {_label(budget)}")
         x = [r["rate"] for r in rs]
         axes[0].plot(x, [100 * r["slo_attainment"] for r in rs], "o-", label=label, ms=3)
         axes[1].plot(x, [r["mean_latency"] for r in rs], "o-", label=label, ms=3)
