@@ -30,7 +30,7 @@ class _ClusterCollector:
             running.add_metric([inst.name], inst.running)
             up.add_metric([inst.name], 1.0 if inst.up else 0.0)
         budget = GaugeMetricFamily("dilaserve_accuracy_budget_points", "Max mean predicted accuracy drop (points "
-                                   "vs tau_max); absent when unbounded", labels=["instance"])
+                                   "vs the tau ceiling); absent when unbounded", labels=["instance"])
         loss_mean = GaugeMetricFamily("dilaserve_predicted_loss_points_mean", "Mean predicted accuracy loss over "
                                       "the requests served", labels=["instance"])
         loss_spent = GaugeMetricFamily("dilaserve_predicted_loss_points_spent", "Total predicted accuracy loss, "
