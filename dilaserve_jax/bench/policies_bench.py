@@ -127,9 +127,9 @@ class Bench:
     def shipped(self) -> ShippedDefaults:
         """serve's defaults on this model: resolved once by serve's own code (τ ceiling, budget, rows)."""
         if self._shipped is None:
-            from dilaserve_jax.serving.executor.build import ServeConfig, _threshold_config
+            from dilaserve_jax.serving.executor.build import ServeConfig, resolve_threshold
 
-            threshold, serve = _threshold_config(ServeConfig(model=self.cfg.model, prior=self.cfg.prior),
+            threshold, serve = resolve_threshold(ServeConfig(model=self.cfg.model, prior=self.cfg.prior),
                                                  self.model.source, lambda line: self.log.info(f"serve: {line}"))
             self._shipped = ShippedDefaults(serve.policy, serve.tau_min, serve.tau_max, serve.max_accuracy_drop,
                                             serve.budget_mode, serve.admission, threshold)

@@ -184,7 +184,7 @@ def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print, *, layou
     cfg = _fit_kv_budget(cfg, model.config, layout, max(lengths))
     given = LatencyModel.from_profile(Profile.load(cfg.profile)) if cfg.profile else None
     latency = {tp: given for tp in (given.tp_degrees if given else ())}
-    threshold, cfg = _threshold_config(cfg, model.source, say)
+    threshold, cfg = resolve_threshold(cfg, model.source, say)
     builder = JaxInstanceBuilder(cfg, model, layout, lengths, threshold,
                                  latency=latency, placeholder=given or _provisional_latency(), say=say,
                                  load_fn=load_serving_model)
@@ -256,7 +256,7 @@ def _param_bytes(c) -> int:
     return c.num_params * (2 if str(getattr(c, "param_dtype", "")) == "bfloat16" else 4)
 
 
-def _threshold_config(cfg: ServeConfig, source: str, say) -> tuple[ThresholdConfig, ServeConfig]:
+def resolve_threshold(cfg: ServeConfig, source: str, say) -> tuple[ThresholdConfig, ServeConfig]:
     """The τ -> tokens/step and τ -> accuracy priors measured by the eval command, with the accuracy-loss
     budget, when there are eval rows; else the built-in speed prior and no budget (it cannot be priced).
     Returns it with `cfg` whose τ ceiling is resolved: --tau-max, else the rows' accuracy plateau."""
