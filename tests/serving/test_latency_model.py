@@ -156,3 +156,62 @@ def test_nnls_never_fits_worse_and_sometimes_better_than_dropping_columns():
     old, new = _drop_most_negative_lstsq(x, y), _nonneg_weighted_lstsq(x, y)
     assert old[1] == 0 and new[1] > 0.5
     assert objective(x, y, new) < 0.5 * objective(x, y, old)
+
+
+def _cpu_like(kind, b, l, k):
+    """A CPU-like step: batching costs more than stepping one request at a time (batch 2 = 4x)."""
+    one = 4e-3 if kind == R else 1e-3
+    return one * {1: 1.0, 2: 4.0, 4: 6.0, 8: 17.0}[b] * (l / 64)
+
+
+def _measured(step_time, batches=(1, 2, 4, 8), canvases=(64, 256), blocks=(16, 32)):
+    pts = tuple(ProfilePoint(kind, b, l, k, 1, step_time(kind, b, l, k))
+                for kind in (R, U) for b in batches for l in canvases for k in blocks)
+    return Profile("measured-like", False, "cpu", "tiny", pts)
+
+
+def test_measured_profile_answers_from_its_points_padded_as_the_decoder_pads():
+    model = LatencyModel.from_profile(_measured(_cpu_like))
+    fit_only = LatencyModel.from_profile(_measured(_cpu_like), measured_points=False)
+    assert model.predict(R, 2, 64, 16) == pytest.approx(_cpu_like(R, 2, 64, 16))
+    assert fit_only.predict(R, 2, 64, 16) != pytest.approx(_cpu_like(R, 2, 64, 16), rel=0.2)  # the fit is off
+    # batch 3 runs padded to 4, canvas 100 to 256, block 20 to 32
+    assert model.predict(R, 3, 100, 20) == pytest.approx(_cpu_like(R, 4, 256, 32))
+    assert model.predict(U, 3, 100, 20) == pytest.approx(_cpu_like(U, 4, 256, 32))
+    # beyond the grid: the fit
+    assert model.predict(R, 16, 64, 16) == pytest.approx(fit_only.predict(R, 16, 64, 16))
+    assert model.predict(R, 1, 512, 16) == pytest.approx(fit_only.predict(R, 1, 512, 16))
+    assert model.scaled(2.0).predict(R, 2, 64, 16) == pytest.approx(2 * _cpu_like(R, 2, 64, 16))
+    grid = model.predict_many(R, np.array([[1], [3]]), np.array([[64, 100]]), 16)
+    assert grid.shape == (2, 2) and grid[1, 1] == pytest.approx(_cpu_like(R, 4, 256, 16))
+    # an analytic profile is smooth by construction: the fit alone answers
+    analytic = analytic_profile("h100", batches=(1, 2), canvases=(512,), blocks=(32,), tps=(1,))
+    assert LatencyModel.from_profile(analytic).measured == {}
+
+
+def test_round_seconds_and_best_batch_split_a_batch_only_where_that_is_cheaper():
+    cpu = LatencyModel.from_profile(_measured(_cpu_like))
+    one = _cpu_like(R, 1, 64, 16)
+    assert cpu.best_batch(R, 2, 64, 16) == 1  # two back-to-back steps beat one batch of 2
+    assert cpu.round_seconds(R, 2, 64, 16) == pytest.approx(2 * one)
+    assert cpu.round_seconds(R, 8, 64, 16) == pytest.approx(8 * one)  # 8 singles beat 2 x 4 (12x) and 8 (17x)
+    assert cpu.best_batch(R, 8, 64, 16) == 1
+    assert cpu.round_seconds(R, 3, 64, 16) == pytest.approx(3 * one)  # a batch of 3 runs padded to 4 (6x)
+    assert cpu.best_batch(R, 1, 64, 16) == 1 and cpu.best_batch(R, 0, 64, 16) == 0
+
+    def gpu_like(kind, b, l, k):  # a fixed cost per step dominates: batching pays
+        return (4e-3 if kind == R else 1e-3) * (1 + 0.05 * b)
+
+    gpu = LatencyModel.from_profile(_measured(gpu_like))
+    assert gpu.best_batch(R, 8, 64, 16) == 8 and gpu.best_batch(R, 3, 64, 16) == 3
+    assert gpu.round_seconds(R, 8, 64, 16) == pytest.approx(gpu_like(R, 8, 64, 16))
+
+
+def test_round_many_is_round_seconds_elementwise_and_predict_many_without_a_grid():
+    cpu = LatencyModel.from_profile(_measured(_cpu_like))
+    b = np.arange(1, 9)[:, None]
+    many = cpu.round_many(R, b, np.array([[64, 256]]), 16)
+    assert many.shape == (8, 2)
+    assert many[2, 1] == pytest.approx(cpu.round_seconds(R, 3, 256, 16)) == pytest.approx(3 * _cpu_like(R, 1, 256, 16))
+    smooth = LatencyModel.from_profile(_measured(_cpu_like), measured_points=False)
+    np.testing.assert_allclose(smooth.round_many(R, b, 64, 16), smooth.predict_many(R, b, 64, 16))

@@ -187,3 +187,32 @@ def test_strict_admission_refuses_a_hopeless_request_and_a_request_may_ask_for_e
     h = engine.submit(strict)
     engine.run_until_idle()
     assert h.result(0).state == RequestState.FINISHED_REJECTED
+
+
+def test_dilaserve_steps_one_at_a_time_where_the_measured_profile_makes_batching_cost_more():
+    """On a CPU-like profile (batch 2 costs 4x batch 1) fcfs-static batches every ready request;
+    dilaserve splits the batch as the measured profile says is cheaper, and meets more deadlines."""
+    from dilaserve_jax.serving.policy.latency import LatencyModel, Profile, ProfilePoint
+
+    def step_time(kind, b, l, k):
+        one = 4e-3 if kind == StepKind.REFRESH else 1e-3
+        b = next(x for x in (1, 2, 4, 8) if x >= b)  # padded to the batch buckets, as compiled
+        return one * {1: 1.0, 2: 4.0, 4: 6.0, 8: 17.0}[b]
+
+    pts = tuple(ProfilePoint(kind, b, l, k, 1, step_time(kind, b, l, k)) for kind in StepKind
+                for b in (1, 2, 4, 8) for l in (64, 128) for k in (16, 32))
+    lat = LatencyModel.from_profile(Profile("measured-like", False, "cpu", "fake", pts))
+
+    def serve(policy):
+        engine, clock = make_engine(lat, slots=8, policy=policy, step_time=step_time)
+        hs = [engine.submit(req(f"r{i}", 0.0, 0.06 * (i + 1), answer=32, block=16, tau_min=0.9, tau_max=0.9))
+              for i in range(8)]
+        engine.run_until_idle()
+        batches = [len(slots) for _, slots, *_ in engine.runner.steps_run]
+        return [h.result(0) for h in hs], batches
+
+    fcfs, fcfs_batches = serve("fcfs-static")
+    dila, dila_batches = serve("dilaserve")
+    assert max(fcfs_batches) == 8
+    assert max(dila_batches) < 4 and dila_batches.count(1) > len(dila_batches) // 2
+    assert sum(r.deadline_met for r in dila) > sum(r.deadline_met for r in fcfs) + 2

@@ -217,7 +217,8 @@ def state_sharding(instance: Instance, model_cfg, with_cache: bool):
 def _retarget(model: LatencyModel, tp: int, new_tp: int) -> LatencyModel:
     """TP `tp`'s fit of `model` as TP `new_tp`'s (the scheduler asks a model for its own degree)."""
     coefs = {(kind, new_tp): c for (kind, t), c in model.coefs.items() if t == tp}
-    return dataclasses.replace(model, coefs=coefs, label=f"{model.label} (TP {tp}'s, standing in for TP {new_tp})")
+    measured = {(kind, new_tp): g for (kind, t), g in model.measured.items() if t == tp}
+    return dataclasses.replace(model, coefs=coefs, measured=measured, label=f"{model.label} (TP {tp}'s, standing in for TP {new_tp})")
 
 
 def _model_bytes(c) -> int:

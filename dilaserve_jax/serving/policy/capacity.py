@@ -58,13 +58,14 @@ class Curves:
 
 def service_times(latency: LatencyModel, tp: int, sample: Sequence[RequestShape], slots: int,
                   taus: np.ndarray, rates: np.ndarray) -> np.ndarray:
-    """Seconds to serve each sampled request alone in batches of b, at each τ: [b = 1..slots, τ, request]."""
+    """Seconds to serve each sampled request among b concurrent ones, at each τ: [b = 1..slots, τ, request]
+    (each round one batch of b, or its cheapest split where the measured profile says so)."""
     canvas = np.array([r.canvas for r in sample], dtype=np.float64)
     block = np.array([r.block_len for r in sample], dtype=np.float64)
     blocks = np.array([r.answer_len // r.block_len for r in sample], dtype=np.float64)
     b = np.arange(1, slots + 1, dtype=np.float64)[:, None]
-    t_ref = latency.predict_many(StepKind.REFRESH, b, canvas[None, :], block[None, :], tp)  # [B, J]
-    t_reu = latency.predict_many(StepKind.REUSE, b, canvas[None, :], block[None, :], tp)
+    t_ref = latency.round_many(StepKind.REFRESH, b, canvas[None, :], block[None, :], tp)  # [B, J]
+    t_reu = latency.round_many(StepKind.REUSE, b, canvas[None, :], block[None, :], tp)
     per_block = np.maximum(1.0, np.ceil(block[None, :] / np.maximum(1.0, rates[:, None])))  # [T, J]
     n_ref = np.broadcast_to(blocks[None, :], per_block.shape)
     n_reu = blocks[None, :] * per_block - n_ref

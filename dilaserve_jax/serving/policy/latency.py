@@ -11,6 +11,16 @@ cached keys it reads:
 Rows are weighted by 1/seconds (we care about relative error: times span orders of magnitude) and
 coefficients are kept non-negative (a negative one would predict nonsense outside the grid).
 
+A *measured* profile also answers from its points (`MeasuredSteps`): the profiler times exactly the
+shapes the decoder compiles (its batch, length and block buckets), so a query is padded up to the
+next measured batch, canvas and block, as the decoder pads it, and read from the table. The fit
+answers beyond the grid, for a cell the profile lacks, and for analytic profiles (smooth by
+construction). On a CPU the fit is far off (batch 2 costs 4x batch 1 on the tiny model's refresh,
+where the fit is linear in the batch), and the scheduler's batching decisions follow the table.
+
+`round_seconds` is what serving `batch` requests one step each costs when the batch may be split
+into smaller ones run back to back (the cheapest split); `best_batch` is the size of that split.
+
 Profile JSON (written by the profiler or `roofline.analytic_profile`):
   {"label": str, "analytic": bool, "device": str, "model": str,
    "points": [{"kind": "refresh"|"reuse", "batch": int, "canvas": int, "block": int, "tp": int,
@@ -18,7 +28,9 @@ Profile JSON (written by the profiler or `roofline.analytic_profile`):
 """
 from __future__ import annotations
 
+import bisect
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
@@ -82,6 +94,32 @@ class Profile:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
 
 
+@dataclass(frozen=True, slots=True)
+class MeasuredSteps:
+    """The measured seconds of one (kind, TP degree) on its grid of padded shapes."""
+
+    batches: tuple[int, ...]
+    canvases: tuple[int, ...]
+    blocks: tuple[int, ...]
+    seconds: Mapping[tuple[int, int, int], float]
+
+    @classmethod
+    def of(cls, points: Iterable[ProfilePoint]) -> "MeasuredSteps":
+        pts = list(points)
+        return cls(tuple(sorted({p.batch for p in pts})), tuple(sorted({p.canvas for p in pts})),
+                   tuple(sorted({p.block for p in pts})), {(p.batch, p.canvas, p.block): p.seconds for p in pts})
+
+    def lookup(self, batch: int, canvas: int, block: int) -> float | None:
+        """Seconds at the shape padded up to the grid, or None beyond it or for an unmeasured cell."""
+        padded = []
+        for x, grid in ((batch, self.batches), (canvas, self.canvases), (block, self.blocks)):
+            i = bisect.bisect_left(grid, x)
+            if i == len(grid):
+                return None
+            padded.append(grid[i])
+        return self.seconds.get(tuple(padded))
+
+
 def features(kind: StepKind, batch, canvas, block) -> np.ndarray:
     """Feature matrix [n, f] (broadcasts scalars or arrays)."""
     b, l, k = (np.asarray(x, dtype=np.float64) for x in (batch, canvas, block))
@@ -120,13 +158,15 @@ class FitReport:
 
 @dataclass(frozen=True, slots=True)
 class LatencyModel:
-    """coefs[(kind, tp)] -> feature coefficients. `scale` multiplies every prediction."""
+    """coefs[(kind, tp)] -> feature coefficients; measured[(kind, tp)] -> the measured grid, read
+    first where it covers the shape. `scale` multiplies every prediction."""
 
     coefs: Mapping[tuple[StepKind, int], tuple[float, ...]]
     label: str = ""
     analytic: bool = False
     scale: float = 1.0
     report: FitReport | None = field(default=None, compare=False)
+    measured: Mapping[tuple[StepKind, int], MeasuredSteps] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.coefs:
@@ -145,23 +185,76 @@ class LatencyModel:
             c = self.coefs[(StepKind(kind), tp)]
         except KeyError:
             raise KeyError(f"no {StepKind(kind).name} fit for TP {tp}; profile has TP {self.tp_degrees}") from None
+        grid = self.measured.get((StepKind(kind), tp))
+        if grid is not None:
+            t = grid.lookup(batch, canvas_len, block_len)
+            if t is not None:
+                return self.scale * t
         b, l, k = float(batch), float(canvas_len), float(block_len)  # plain floats: called per request per step
         f = (1.0, b * l, b * l * l) if kind == StepKind.REFRESH else (1.0, b * k, b * l, b * k * l)
         return self.scale * sum(ci * fi for ci, fi in zip(c, f))
 
     def predict_many(self, kind: StepKind, batch, canvas, block, tp: int = 1) -> np.ndarray:
+        if (StepKind(kind), tp) in self.measured:
+            b, l, k = np.broadcast_arrays(*(np.asarray(x) for x in (batch, canvas, block)))
+            out = [self.predict(kind, int(x), int(y), int(z), tp) for x, y, z in zip(b.ravel(), l.ravel(), k.ravel())]
+            return np.asarray(out, dtype=np.float64).reshape(b.shape)
         c = np.asarray(self.coefs[(StepKind(kind), tp)])
         return self.scale * (features(kind, batch, canvas, block) @ c)
 
+    def _splits(self, kind: StepKind, batch: int, tp: int) -> list[int]:
+        grid = self.measured.get((StepKind(kind), tp))
+        sizes = [k for k in grid.batches if k < batch] if grid is not None else []
+        return [*sizes, batch]
+
+    def round_seconds(self, kind: StepKind, batch: int, canvas_len: int, block_len: int, tp: int = 1) -> float:
+        """Seconds to give `batch` requests one step each, split into the cheapest batches of a
+        measured size (run back to back). Only a measured grid can make a split cheaper: the fit's
+        cost per request falls with the batch."""
+        if batch <= 0:
+            return 0.0
+        return min(math.ceil(batch / k) * self.predict(kind, k, canvas_len, block_len, tp)
+                   for k in self._splits(kind, batch, tp))
+
+    def round_many(self, kind: StepKind, batch, canvas, block, tp: int = 1) -> np.ndarray:
+        """`round_seconds` over arrays (broadcast); `predict_many` where no measured grid can split."""
+        if (StepKind(kind), tp) not in self.measured:
+            return self.predict_many(kind, batch, canvas, block, tp)
+        b, l, k = np.broadcast_arrays(*(np.asarray(x) for x in (batch, canvas, block)))
+        out = [self.round_seconds(kind, int(x), int(y), int(z), tp) for x, y, z in zip(b.ravel(), l.ravel(), k.ravel())]
+        return np.asarray(out, dtype=np.float64).reshape(b.shape)
+
+    def best_batch(self, kind: StepKind, ready: int, canvas_len: int, block_len: int, tp: int = 1) -> int:
+        """How many of `ready` requests one step should take: the size of the cheapest split
+        (`round_seconds`); the largest size among equally cheap ones."""
+        if ready <= 1:
+            return max(ready, 0)
+        cost = {k: math.ceil(ready / k) * self.predict(kind, k, canvas_len, block_len, tp)
+                for k in self._splits(kind, ready, tp)}
+        least = min(cost.values())
+        return max(k for k, c in cost.items() if c <= least * (1 + 1e-9))
+
     def scaled(self, scale: float) -> "LatencyModel":
-        return LatencyModel(self.coefs, self.label, self.analytic, scale, self.report)
+        return LatencyModel(self.coefs, self.label, self.analytic, scale, self.report, self.measured)
 
     @classmethod
-    def from_profile(cls, profile: Profile | str | Path, holdout_fraction: float = 0.2, seed: int = 0) -> "LatencyModel":
+    def from_profile(cls, profile: Profile | str | Path, holdout_fraction: float = 0.2, seed: int = 0,
+                     measured_points: bool | None = None) -> "LatencyModel":
+        """The fit, plus the measured grid (`measured_points`; default: unless the profile is analytic)."""
         if not isinstance(profile, Profile):
             profile = Profile.load(profile)
         model = fit(profile.points, holdout_fraction, seed)
-        return LatencyModel(model.coefs, profile.label, profile.analytic, 1.0, model.report)
+        if measured_points is None:
+            measured_points = not profile.analytic
+        measured = measured_grids(profile.points) if measured_points else {}
+        return LatencyModel(model.coefs, profile.label, profile.analytic, 1.0, model.report, measured)
+
+
+def measured_grids(points: Iterable[ProfilePoint]) -> dict[tuple[StepKind, int], MeasuredSteps]:
+    groups: dict[tuple[StepKind, int], list[ProfilePoint]] = {}
+    for p in points:
+        groups.setdefault((p.kind, p.tp), []).append(p)
+    return {key: MeasuredSteps.of(pts) for key, pts in groups.items()}
 
 
 def _fit_groups(points: Sequence[ProfilePoint]) -> dict[tuple[StepKind, int], tuple[float, ...]]:

@@ -109,10 +109,13 @@ class Scheduler:
         self._memo.clear()
 
     def step_time(self, kind: StepKind, batch: int, req: Request) -> float:
+        """Seconds per round in which each of `batch` requests takes one step of `kind`: one batch,
+        or smaller ones back to back where the measured profile makes that cheaper (a CPU)."""
         key = (kind, batch, req.canvas_length, req.block_length)
         t = self._memo.get(key)
         if t is None:
-            t = self.latency.predict(kind, batch, req.canvas_length, req.block_length, self.cfg.tp) * self.lat_scale[kind]
+            t = self.latency.round_seconds(kind, batch, req.canvas_length, req.block_length, self.cfg.tp) \
+                * self.lat_scale[kind]
             self._memo[key] = t
         return t
 
@@ -262,9 +265,15 @@ class Scheduler:
             return None, []
         order = sorted(self.running.values(), key=self._order_key(now))
         kind = order[0].next_kind  # the most urgent (or starved) request decides the kind
+        limit = self.cfg.batch_limit
+        if self.cfg.adaptive:  # no larger than the cheapest split of the ready requests (see step_time)
+            ready = sum(r.next_kind == kind for r in order)
+            first = order[0]
+            limit = min(limit, self.latency.best_batch(kind, ready, first.canvas_length, first.block_length,
+                                                       self.cfg.tp))
         batch: list[Request] = []
         for r in order:
-            if r.next_kind != kind or len(batch) >= self.cfg.batch_limit:
+            if r.next_kind != kind or len(batch) >= limit:
                 continue
             if self.cfg.adaptive and batch and not self._starved(r) and not self._fits(batch, r, now):
                 continue

@@ -36,11 +36,12 @@ class RequestEstimator:
         return r0 + (r1 - r0) * (tau - t0) / (t1 - t0)
 
     def own_time(self, req: Request, batch: int, tau: float | None = None) -> float:
-        """Seconds to finish `req` at τ (default its τ_max) in batches of `batch`."""
+        """Seconds to finish `req` at τ (default its τ_max) among `batch` concurrent requests (each
+        round one batch, or its cheapest split, as the instance's scheduler runs it)."""
         n_ref, n_reu = steps_left(req, self.tokens_per_step(req.tau_max if tau is None else tau))
         lat, canvas, block = self.latency, req.canvas_length, req.block_length
-        return (n_ref * lat.predict(StepKind.REFRESH, batch, canvas, block, self.tp) * self.refresh_scale
-                + n_reu * lat.predict(StepKind.REUSE, batch, canvas, block, self.tp) * self.reuse_scale)
+        return (n_ref * lat.round_seconds(StepKind.REFRESH, batch, canvas, block, self.tp) * self.refresh_scale
+                + n_reu * lat.round_seconds(StepKind.REUSE, batch, canvas, block, self.tp) * self.reuse_scale)
 
 
 @dataclass(frozen=True, slots=True)
