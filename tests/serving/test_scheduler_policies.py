@@ -189,19 +189,23 @@ def test_strict_admission_refuses_a_hopeless_request_and_a_request_may_ask_for_e
     assert h.result(0).state == RequestState.FINISHED_REJECTED
 
 
+def _cpu_like_step(kind, b, l, k):
+    one = 4e-3 if kind == StepKind.REFRESH else 1e-3
+    b = next(x for x in (1, 2, 4, 8) if x >= b)  # padded to the batch buckets, as compiled
+    return one * {1: 1.0, 2: 4.0, 4: 6.0, 8: 17.0}[b]
+
+
+def _cpu_like_latency():
+    from dilaserve_jax.serving.policy.latency import LatencyModel, Profile, ProfilePoint
+    pts = tuple(ProfilePoint(kind, b, l, k, 1, _cpu_like_step(kind, b, l, k)) for kind in StepKind
+                for b in (1, 2, 4, 8) for l in (64, 128) for k in (16, 32))
+    return LatencyModel.from_profile(Profile("measured-like", False, "cpu", "fake", pts))
+
+
 def test_dilaserve_steps_one_at_a_time_where_the_measured_profile_makes_batching_cost_more():
     """On a CPU-like profile (batch 2 costs 4x batch 1) fcfs-static batches every ready request;
     dilaserve splits the batch as the measured profile says is cheaper, and meets more deadlines."""
-    from dilaserve_jax.serving.policy.latency import LatencyModel, Profile, ProfilePoint
-
-    def step_time(kind, b, l, k):
-        one = 4e-3 if kind == StepKind.REFRESH else 1e-3
-        b = next(x for x in (1, 2, 4, 8) if x >= b)  # padded to the batch buckets, as compiled
-        return one * {1: 1.0, 2: 4.0, 4: 6.0, 8: 17.0}[b]
-
-    pts = tuple(ProfilePoint(kind, b, l, k, 1, step_time(kind, b, l, k)) for kind in StepKind
-                for b in (1, 2, 4, 8) for l in (64, 128) for k in (16, 32))
-    lat = LatencyModel.from_profile(Profile("measured-like", False, "cpu", "fake", pts))
+    lat, step_time = _cpu_like_latency(), _cpu_like_step
 
     def serve(policy):
         engine, clock = make_engine(lat, slots=8, policy=policy, step_time=step_time)
@@ -216,3 +220,21 @@ def test_dilaserve_steps_one_at_a_time_where_the_measured_profile_makes_batching
     assert max(fcfs_batches) == 8
     assert max(dila_batches) < 4 and dila_batches.count(1) > len(dila_batches) // 2
     assert sum(r.deadline_met for r in dila) > sum(r.deadline_met for r in fcfs) + 2
+
+
+def test_a_split_batch_still_starves_no_one():
+    """With batches split to one request (CPU-like profile), a request at risk gets its fair share
+    of turns counted as such, and is still served under a steady stream of feasible arrivals."""
+    engine, clock = make_engine(_cpu_like_latency(), slots=4, step_time=_cpu_like_step, max_skip=8)
+    lost = req("lost", 0.0, 1e-4, answer=32, block=16, tau_min=0.9, tau_max=0.9)  # hopeless from the start
+    hl = engine.submit(lost)
+    i = 0
+    while not hl.done() and i < 400:
+        engine.submit(req(f"s{i}", clock(), 0.2, answer=16, block=16, tau_min=0.9, tau_max=0.9))
+        for _ in range(3):
+            engine.step_once()
+        i += 1
+    assert hl.done() and hl.result(0).state == RequestState.FINISHED_OK, f"starved after {i} arrivals"
+    # counted in whole rounds it would go first every 8 rounds (done after ~50 arrivals here); in
+    # shares of a 4-way split, every 32 (~175)
+    assert i > 100, f"served after {i} arrivals: its skips counted as whole rounds"

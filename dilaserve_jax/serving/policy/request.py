@@ -88,7 +88,7 @@ class Request:
     block_committed: int = 0  # committed in the current block
     needs_refresh: bool = True  # next step kind is REFRESH (new, migrated, or a block just finished)
     at_risk: bool = False  # cannot meet its deadline even at tau_min; runs on spare capacity
-    steps_skipped: int = 0  # consecutive schedule rounds it was eligible but not run (anti-starvation)
+    steps_skipped: float = 0.0  # consecutive schedule rounds it was eligible but not run, in fair shares (anti-starvation)
     reject_reason: str | None = None
     output_tokens: list[int] | None = None
     steps: list[StepRecord] = field(default_factory=list)

@@ -21,7 +21,8 @@ that are lost already give way, so the ones that can still make it do (EDF inste
 most urgent first, which under overload are exactly the lost ones, and every deadline behind them
 falls too). `strict` refuses it at admission; a request may ask for either.
 No starvation (all policies): a request that was runnable but skipped `max_skip` rounds in a row
-goes first, whatever its deadline or risk.
+goes first, whatever its deadline or risk. Where dilaserve splits batches (a step takes k of the n
+running requests), a skipped round counts k/n: one turn in n/k rounds is a fair share, not neglect.
 """
 from __future__ import annotations
 
@@ -101,6 +102,7 @@ class Scheduler:
         self._releases: list[int] = []
         self._finished: list[Request] = []
         self._memo: dict[tuple, float] = {}
+        self._split_limit = config.batch_limit  # the last batch's size limit (see _pick_batch)
 
     # --- latency ---
     def set_latency_model(self, latency: LatencyModel) -> None:
@@ -205,8 +207,11 @@ class Scheduler:
             return None
         taus = tuple(self._tau(r) for r in batch)
         in_batch = {r.id for r in batch}
+        # a skip counts as the share of a round a request is due: where the batch is split (the
+        # cheapest split takes `limit` of the running requests), a turn every few rounds is fair
+        share = min(1.0, self._split_limit / len(self.running)) if self.running else 1.0
         for r in self.running.values():
-            r.steps_skipped = 0 if r.id in in_batch else r.steps_skipped + 1
+            r.steps_skipped = 0 if r.id in in_batch else r.steps_skipped + share
         return StepPlan(now, kind if batch else None, tuple(r.slot for r in batch), tuple(r.id for r in batch),
                         taus, admits, releases, tuple(r.block_index for r in batch))
 
@@ -269,8 +274,9 @@ class Scheduler:
         if self.cfg.adaptive:  # no larger than the cheapest split of the ready requests (see step_time)
             ready = sum(r.next_kind == kind for r in order)
             first = order[0]
-            limit = min(limit, self.latency.best_batch(kind, ready, first.canvas_length, first.block_length,
-                                                       self.cfg.tp))
+            limit = min(limit, max(1, self.latency.best_batch(kind, ready, first.canvas_length, first.block_length,
+                                                              self.cfg.tp)))
+        self._split_limit = limit
         batch: list[Request] = []
         for r in order:
             if r.next_kind != kind or len(batch) >= limit:
