@@ -153,9 +153,11 @@ async def _serve(cluster, options, watcher=None) -> int:
     finished = await running.drain_and_stop()
     cluster.stop(wait_background=False)
     log.info("stopped" if finished else "stopped with calls still in flight after the grace period")
-    if not warm.done() or any(t.is_alive() for t in cluster.background):
-        # start-up compilation or measurement still running: leave without waiting for it, and
-        # without finalising the interpreter under a running XLA thread
+    switching = cluster.autoscaler is not None and cluster.autoscaler.alive
+    if not warm.done() or switching or any(t.is_alive() for t in cluster.background):
+        # start-up compilation or measurement, or a layout switch's compilation, still running:
+        # leave without waiting for it, and without finalising the interpreter under a running
+        # XLA thread (that aborts the process)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

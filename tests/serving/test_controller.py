@@ -70,6 +70,15 @@ def test_a_load_oscillating_around_the_switch_point_does_not_flap(tp_latency):
     assert switches <= 1, [str(d) for d in ctl.history if d.switch]
 
 
+def test_no_switch_before_one_full_window_of_arrivals(tp_latency):
+    ctl = make(tp_latency, window_s=10.0, min_dwell_s=0.0)
+    _, switches, _ = drive(ctl, (8,), [400.0], seconds_each=9.0)  # heavy from the start, under one window
+    assert switches == 0
+    assert any("not trusted yet" in d.reason for d in ctl.history)
+    _, switches, lay = drive(ctl, (8,), [400.0], seconds_each=6.0, start=9.0)  # the window fills: it acts
+    assert switches == 1 and len(lay) > 1
+
+
 def test_hysteresis_and_confirmation_hold_a_single_spike(tp_latency):
     ctl = make(tp_latency, confirmations=3)
     _, switches, lay = drive(ctl, (8,), [2.0, 400.0, 2.0], seconds_each=2.0)  # 2 rounds of spike < 3

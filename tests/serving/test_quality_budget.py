@@ -317,3 +317,17 @@ def test_the_budget_reference_stays_fixed_when_a_request_raises_its_own_tau_max(
     assert budget.reference(own_lower) == 0.7 and budget.loss(own_lower, 0.7) == 0.0  # its own choice
     free = QualityBudget(QualityConfig(model, max_accuracy_drop=1.0, mode="floor"))  # no reference: its own τ_max
     assert free.loss(asks_more, 0.9) == pytest.approx(model.loss(0.9, 1.0))
+
+
+def test_free_floor_is_the_lowest_tau_the_budget_grants_from_the_reference():
+    """What the cluster controller prices layouts at: on the shipped eval rows, a 1-point budget
+    from τ 0.9 holds thresholds at 0.9 (τ 0.85 already costs ~5 points), 10 points allow 0.85, an
+    unbounded budget τ_min."""
+    path = Path(__file__).parents[2] / "dilaserve_jax" / "assets" / "tiny" / "eval.json"
+    rows = read_eval_rows(path)
+    floor = lambda drop: QualityConfig.from_eval(rows, max_accuracy_drop=drop, reference_tau=0.9).free_floor(  # noqa: E731
+        0.5, 0.9, TAU_GRID)
+    assert floor(1.0) == 0.9
+    assert floor(10.0) == 0.85
+    assert floor(None) == 0.5
+    assert QualityConfig.from_eval(rows, max_accuracy_drop=None).free_floor(0.6, 0.9, TAU_GRID) == 0.6  # never below τ_min

@@ -81,7 +81,13 @@ class Autoscaler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
-            self._thread = None
+            if not self._thread.is_alive():
+                self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        """Its thread still runs (after `stop`: a layout switch it started is still compiling)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.controller.cfg.interval_s):

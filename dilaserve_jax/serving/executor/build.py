@@ -244,12 +244,16 @@ def start_controller(cluster: Cluster, builder: JaxInstanceBuilder, cfg: ServeCo
     latency model (all of them, but those this process's devices cannot hold)."""
     tps = [t for t in candidate_tp_degrees(cfg, builder.model.config, len(builder.layout.devices))
            if t in builder.latency]
+    quality = builder.threshold.quality
+    floor = cfg.tau_min if quality is None or cfg.tau_max is None else \
+        quality.free_floor(cfg.tau_min, cfg.tau_max, builder.threshold.grid)
     ctl = ClusterController(cfg.controller_config, num_devices=len(builder.layout.devices), tp_degrees=tps,
                             latency=dict(builder.latency), slots=cfg.slots,
                             param_bytes=_param_bytes(builder.model.config), layouts=cfg.layouts or None,
-                            tau_floor=cfg.tau_min, prior=dict(builder.threshold.prior))
+                            tau_floor=floor, prior=dict(builder.threshold.prior))
     cluster.autoscaler.set_controller(ctl)
-    say(f"controller: {cfg.controller}, {len(ctl.candidates)} candidate layouts over TP {tps}")
+    say(f"controller: {cfg.controller}, {len(ctl.candidates)} candidate layouts over TP {tps}; prices layouts at "
+        f"τ down to {floor:g} (the lowest the accuracy budget allows)")
 
 
 def _param_bytes(c) -> int:

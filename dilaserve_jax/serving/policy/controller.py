@@ -18,7 +18,9 @@ Every `interval_s` the cluster (or the simulator) calls `decide(now, current, sn
   charged as misses; the gain counts only after the switch completes, over `horizon_s`.
 - **Decision.** Switch when the predicted gain beats the cost by `hysteresis`, the same layout won
   `confirmations` rounds in a row, and `min_dwell_s` passed since the last switch, so it does not
-  flap. Every decision carries its reason and predictions, kept in `history`.
+  flap. No switch before the load estimate is trusted: `min_arrivals` in the window, and one full
+  `window_s` since the first arrival (a rate from the first few seconds of a burst says little, and
+  a switch costs a recompilation and a pause). Every decision carries its reason and predictions, kept in `history`.
 - **Migration.** `plan_migrations`: a request at risk on one instance (it cannot meet its deadline
   there even at its τ floor) moves at the next step boundary to an instance with a free slot and
   an empty queue whose estimate says it will meet it there.
@@ -126,6 +128,7 @@ class ClusterController:
         self.taus = tuple(sorted(prior, reverse=True))
         self.tokens_per_step = tuple(prior[t] for t in self.taus)
         self._arrivals: deque[tuple[float, RequestShape]] = deque()
+        self._first_arrival: float | None = None  # the load estimate is trusted after one full window
         self._lock = threading.Lock()  # arrivals are reported from other threads
         self.history: deque[Decision] = deque(maxlen=64)
         self.last_switch: float | None = None
@@ -137,6 +140,8 @@ class ClusterController:
         """An arrival (any thread)."""
         with self._lock:
             self._arrivals.append((now, shape))
+            if self._first_arrival is None:
+                self._first_arrival = now
 
     def set_tokens_per_step(self, taus: Sequence[float], rates: Sequence[float]) -> None:
         """The instances' online τ -> tokens/step estimate (any order of τ)."""
@@ -205,6 +210,10 @@ class ClusterController:
             reason = f"gain {gain:.3f} does not beat cost {cost:.3f} + hysteresis {self.cfg.hysteresis}"
         elif len(sample) < self.cfg.min_arrivals:
             reason = f"only {len(sample)} arrivals in the window (need {self.cfg.min_arrivals})"
+        elif self._first_arrival is None or now - self._first_arrival < self.cfg.window_s:
+            seen = 0.0 if self._first_arrival is None else now - self._first_arrival
+            reason = (f"load estimate not trusted yet: {seen:.0f} s of arrivals seen, a full {self.cfg.window_s:g} s "
+                      f"window needed")
         elif self.last_switch is not None and now - self.last_switch < self.cfg.min_dwell_s:
             reason = f"dwell: {now - self.last_switch:.0f} s since the last switch (min {self.cfg.min_dwell_s:g} s)"
         elif streak < self.cfg.confirmations:

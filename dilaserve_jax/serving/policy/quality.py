@@ -70,6 +70,14 @@ class QualityConfig:
     def from_eval(cls, path_or_rows, **kw) -> "QualityConfig":
         return cls(AccuracyModel.from_eval(path_or_rows), **kw)
 
+    def free_floor(self, tau_min: float, tau_max: float, grid: Sequence[float]) -> float:
+        """The lowest τ of `grid` in [tau_min, tau_max] whose pooled loss from the reference is within
+        the budget: where thresholds can go under load without the budget holding them (what the
+        cluster controller should price layouts at)."""
+        cands = sorted({t for t in grid if tau_min - 1e-12 <= t <= tau_max + 1e-12} | {tau_min, tau_max})
+        ref = tau_max if self.reference_tau is None else min(self.reference_tau, tau_max)
+        return max(tau_min, self.model.floor(self.max_accuracy_drop, ref, cands))
+
 
 @dataclass(frozen=True, slots=True)
 class QualitySnapshot:
