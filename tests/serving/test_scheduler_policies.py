@@ -238,3 +238,34 @@ def test_a_split_batch_still_starves_no_one():
     # counted in whole rounds it would go first every 8 rounds (done after ~50 arrivals here); in
     # shares of a 4-way split, every 32 (~175)
     assert i > 100, f"served after {i} arrivals: its skips counted as whole rounds"
+
+
+def test_a_deep_queue_plans_only_what_is_within_reach(latency):
+    """A round's planning cost stays bounded at a deep queue: beyond plan_depth x slots, queued
+    requests past saving (found once) and the least urgent are not planned; every request still
+    gets a decision, and the urgent feasible ones are planned."""
+    from dilaserve_jax.serving.policy.threshold import ThresholdConfig, ThresholdController
+
+    calls = []
+
+    def counting(kind, batch, r):
+        calls.append(r.id)
+        return latency.predict(kind, batch, r.canvas_length, r.block_length)
+
+    def plan(n_waiting, depth):
+        ctl = ThresholdController(ThresholdConfig(plan_depth=depth))
+        lost = [req(f"lost{i}", 0.0, 1e-3) for i in range(n_waiting // 2)]  # deadlines already out of reach
+        live = [req(f"live{i}", 0.0, 5.0 + i) for i in range(n_waiting - len(lost))]
+        calls.clear()
+        out = ctl.plan([], lost + live, 0.0, 2, counting)
+        return out, len(calls), ctl
+
+    out, shallow_calls, ctl = plan(200, depth=1000)  # everything planned
+    assert len(out) == 200
+    out, deep_calls, ctl = plan(200, depth=4)
+    assert len(out) == 200 and all(out[f"lost{i}"].at_risk for i in range(100))
+    assert not out["live0"].at_risk  # the most urgent of the ones that can still make it is planned
+    assert deep_calls < shallow_calls / 4
+    calls.clear()
+    ctl.plan([], [req(f"lost{i}", 0.0, 1e-3) for i in range(100)], 0.1, 2, counting)
+    assert not calls  # lost ones are found once (ids remembered) and never planned again

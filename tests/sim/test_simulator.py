@@ -68,7 +68,8 @@ def test_reconfiguration_under_rising_load_moves_requests_and_loses_none(llada):
     res = _sim(llada, specs, devices=8, policy="dilaserve", layout="auto", initial_layout="1x8", controller=ctl).run()
     assert len(res.records) == len(specs) and len({r.id for r in res.records}) == len(specs)
     assert all(r.state in ("FINISHED_OK", "FINISHED_REJECTED") for r in res.records)
-    assert res.reconfigurations and res.layouts[0][1] == "1x8" and res.layouts[-1][1] != "1x8"
+    # the burst moves it off the single wide instance (it may come back once the burst has drained)
+    assert res.reconfigurations and res.layouts[0][1] == "1x8" and res.layouts[1][1] != "1x8"
     first = res.reconfigurations[0]
     # charged: the switch completes its modelled cost (bytes into the busiest device, compiles) after the decision
     assert first.finished - first.started == pytest.approx(first.switch_s) and first.switch_s > 0.5

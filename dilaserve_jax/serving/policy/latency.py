@@ -213,6 +213,8 @@ class LatencyModel:
         cost per request falls with the batch."""
         if batch <= 0:
             return 0.0
+        if (StepKind(kind), tp) not in self.measured:  # the fit alone: one batch is always cheapest
+            return self.predict(kind, batch, canvas_len, block_len, tp)
         return min(math.ceil(batch / k) * self.predict(kind, k, canvas_len, block_len, tp)
                    for k in self._splits(kind, batch, tp))
 

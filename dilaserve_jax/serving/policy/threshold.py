@@ -13,7 +13,10 @@ commit fewer tokens per step than the average).
 Load control: requests are placed on the slots in deadline order (queued ones start when a slot
 frees). If some cannot meet their deadlines, a system-wide cap on τ is lowered (never below each
 request's τ_min) to the highest cap that makes as many as possible feasible — thresholds drop
-*before* requests miss. A request infeasible even at τ_min is marked at risk: it does not hold a
+*before* requests miss. When more than `plan_depth` x slots requests queue, those past saving
+(they would miss even started now, alone, at τ_min; found once each) and the least urgent beyond
+that depth are not planned that round: they wait at risk, and a round's cost stays bounded however
+deep the queue. A request infeasible even at τ_min is marked at risk: it does not hold a
 place in the slot model and the scheduler runs it only on spare capacity.
 
 Quality budget (`ThresholdConfig.quality`, see `quality.py`): the plan above gives each request the
@@ -54,6 +57,9 @@ class ThresholdConfig:
     # together stay in phase, since every request needing a refresh joins the refresh batch)
     refresh_alignment: float = 0.5
     quality: QualityConfig | None = None  # accuracy model and loss budget; None: τ anywhere in [τ_min, τ_max]
+    # queued requests planned per round, in deadline order, as a multiple of the slots: the rest
+    # cannot start before these finish, so planning them each round only costs time at deep queues
+    plan_depth: int = 4
 
     def __post_init__(self) -> None:
         if not self.grid or any(not 0 < t <= 1 for t in self.grid):
@@ -62,6 +68,8 @@ class ThresholdConfig:
             raise ValueError("τ grid must be strictly descending")
         if not self.prior or any(v < 1.0 for _, v in self.prior):
             raise ValueError("prior tokens/step must be >= 1 (at least the argmax commits)")
+        if self.plan_depth < 1:
+            raise ValueError("plan_depth must be >= 1")
         if not 0 <= self.refresh_alignment <= 1:
             raise ValueError("refresh_alignment must be in [0, 1]")
         if not (0 < self.ema <= 1 and 0 < self.request_ema <= 1 and self.safety >= 1):
@@ -151,6 +159,7 @@ class ThresholdController:
     _last_tau: dict[str, float] = field(default_factory=dict)
     _floors: dict[str, float] = field(default_factory=dict)  # lowest τ the budget allows, this round
     _durations: dict[tuple[str, float], float] = field(default_factory=dict)  # this round's remaining times
+    _lost: set[str] = field(default_factory=set)  # queued requests past saving (deep queues only)
 
     def __post_init__(self) -> None:
         if self.tps is None:
@@ -177,6 +186,7 @@ class ThresholdController:
     def forget(self, req_id: str, served_loss: float | None = None) -> None:
         """The request left; `served_loss`: it finished ok with this predicted loss (counts in the mean)."""
         self.ratios.pop(req_id, None)
+        self._lost.discard(req_id)
         self._last_tau.pop(req_id, None)
         self._floors.pop(req_id, None)
         if self.budget is not None:
@@ -232,7 +242,18 @@ class ThresholdController:
         """τ and at-risk flag for every running and queued request (also sets `req.at_risk`)."""
         if not running and not waiting:
             return {}
+        depth = self.cfg.plan_depth * num_slots
+        beyond: list[Request] = []
+        if len(waiting) > depth:  # deep queue: the lost ones and the least urgent of the rest wait unplanned
+            for w in waiting:  # lost: misses even started now alone at τ_min (stays so while it waits)
+                if w.id not in self._lost and now + self.remaining_time(w, w.tau_min, 1, step_time) > w.deadline:
+                    self._lost.add(w.id)
+            beyond = [w for w in waiting if w.id in self._lost]
+            order = sorted((w for w in waiting if w.id not in self._lost), key=lambda w: (w.deadline, w.arrival))
+            waiting, beyond = order[:depth], beyond + order[depth:]
         active = [(r, True) for r in running] + [(w, False) for w in waiting]
+        if not active:  # every queued request is lost
+            return self._unplanned(beyond, now, {})
         free = max(0, num_slots - len(running))
         # the others' refresh share at their previous τ (or τ_max) sets how often refreshes interleave
         fracs = {r.id: self.refresh_fraction(r, self._last_tau.get(r.id, r.tau_max)) for r, _ in active}
@@ -266,6 +287,13 @@ class ThresholdController:
         self._last_tau = {rid: d.tau for rid, d in best.items()}
         for req, _ in active:
             req.at_risk = best[req.id].at_risk
+        return self._unplanned(beyond, now, best)
+
+    @staticmethod
+    def _unplanned(beyond: Sequence[Request], now: float, best: dict[str, Decision]) -> dict[str, Decision]:
+        for w in beyond:  # not planned this round: lowest priority; τ_max (costs no budget) if it runs anyway
+            best[w.id] = Decision(w.tau_max, True, now, now)
+            w.at_risk = True
         return best
 
     def _duration(self, req: Request, tau: float, batch: int, step_time: StepTime, others: float) -> float:
