@@ -56,6 +56,11 @@ def test_a_load_ramp_moves_towards_more_instances_and_back(tp_latency):
     assert switches >= 2
     switched = [d for d in ctl.history if d.switch]
     assert all(d.predicted[d.chosen][0] >= d.predicted[d.current][0] - 1e-9 for d in switched)
+    ranked = [d for d in ctl.history if d.predicted]
+    # every decision with predictions carries the current layout and the top three candidates
+    assert ranked and all(d.current in d.predicted and len(d.predicted) >= min(3, len(ctl.candidates))
+                          for d in ranked)
+    assert all(list(d.predicted)[0] == d.chosen for d in ranked)  # best first
     assert all(d.reason for d in ctl.history)
 
 

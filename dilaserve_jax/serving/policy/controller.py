@@ -77,7 +77,8 @@ class Decision:
     switch: bool
     reason: str
     rate: float  # arrivals per second in the window
-    predicted: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)  # layout -> (att, lat s, τ)
+    # layout -> (att, lat s, τ): the current layout and the top three candidates, best first
+    predicted: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)
     cost: float = 0.0  # objective units
     seconds: float = 0.0  # how long deciding took
 
@@ -86,7 +87,9 @@ class Decision:
         new = self.predicted.get(self.chosen)
         fmt = lambda p: f"{p[0]:.1%} att, {p[1] * 1e3:.0f} ms, τ {p[2]:.2f}" if p else "n/a"  # noqa: E731
         what = f"switch {self.current} -> {self.chosen}" if self.switch else f"stay on {self.current}"
-        return f"{what} at {self.rate:.2f} req/s: {self.reason} (now {fmt(cur)}; best {fmt(new)})"
+        others = [f"{k} {v[0]:.1%}" for k, v in self.predicted.items() if k not in (self.current, self.chosen)]
+        runners_up = f"; then {', '.join(others)}" if others else ""
+        return (f"{what} at {self.rate:.2f} req/s: {self.reason} (now {fmt(cur)}; best {fmt(new)}{runners_up})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,8 +192,10 @@ class ClusterController:
         def value(p: LayoutPrediction) -> float:
             return p.attainment + self.cfg.tau_weight * p.tau - self.cfg.latency_weight * p.latency_s / ref_lat
 
-        best = max(preds.values(), key=lambda p: (value(p), p.layout == current))
-        predicted = {layout_text(p.layout): (p.attainment, p.latency_s, p.tau) for p in (now_pred, best)}
+        ranked = sorted(preds.values(), key=lambda p: (value(p), p.layout == current), reverse=True)
+        best = ranked[0]
+        predicted = {layout_text(p.layout): (p.attainment, p.latency_s, p.tau) for p in ranked[:3]}
+        predicted.setdefault(cur_text, (now_pred.attainment, now_pred.latency_s, now_pred.tau))
         if best.layout == current:
             self._streak = ("", 0)
             return self._record(Decision(now, cur_text, cur_text, False, "the current layout predicts best", rate,
