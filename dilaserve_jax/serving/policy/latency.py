@@ -196,16 +196,16 @@ class LatencyModel:
 
     def predict_many(self, kind: StepKind, batch, canvas, block, tp: int = 1) -> np.ndarray:
         if (StepKind(kind), tp) in self.measured:
-            b, l, k = np.broadcast_arrays(*(np.asarray(x) for x in (batch, canvas, block)))
-            out = [self.predict(kind, int(x), int(y), int(z), tp) for x, y, z in zip(b.ravel(), l.ravel(), k.ravel())]
-            return np.asarray(out, dtype=np.float64).reshape(b.shape)
+            return _elementwise(lambda *a: self.predict(kind, *a, tp), batch, canvas, block)
         c = np.asarray(self.coefs[(StepKind(kind), tp)])
         return self.scale * (features(kind, batch, canvas, block) @ c)
 
-    def _splits(self, kind: StepKind, batch: int, tp: int) -> list[int]:
-        grid = self.measured.get((StepKind(kind), tp))
-        sizes = [k for k in grid.batches if k < batch] if grid is not None else []
-        return [*sizes, batch]
+    def _split_costs(self, kind: StepKind, batch: int, canvas_len: int, block_len: int, tp: int) -> dict[int, float]:
+        """Seconds to step `batch` requests once each in batches of each measured size k (ceil(batch/k)
+        of them back to back), and as one batch."""
+        grid = self.measured[(StepKind(kind), tp)]
+        sizes = [*(k for k in grid.batches if k < batch), batch]
+        return {k: math.ceil(batch / k) * self.predict(kind, k, canvas_len, block_len, tp) for k in sizes}
 
     def round_seconds(self, kind: StepKind, batch: int, canvas_len: int, block_len: int, tp: int = 1) -> float:
         """Seconds to give `batch` requests one step each, split into the cheapest batches of a
@@ -215,24 +215,20 @@ class LatencyModel:
             return 0.0
         if (StepKind(kind), tp) not in self.measured:  # the fit alone: one batch is always cheapest
             return self.predict(kind, batch, canvas_len, block_len, tp)
-        return min(math.ceil(batch / k) * self.predict(kind, k, canvas_len, block_len, tp)
-                   for k in self._splits(kind, batch, tp))
+        return min(self._split_costs(kind, batch, canvas_len, block_len, tp).values())
 
     def round_many(self, kind: StepKind, batch, canvas, block, tp: int = 1) -> np.ndarray:
         """`round_seconds` over arrays (broadcast); `predict_many` where no measured grid can split."""
         if (StepKind(kind), tp) not in self.measured:
             return self.predict_many(kind, batch, canvas, block, tp)
-        b, l, k = np.broadcast_arrays(*(np.asarray(x) for x in (batch, canvas, block)))
-        out = [self.round_seconds(kind, int(x), int(y), int(z), tp) for x, y, z in zip(b.ravel(), l.ravel(), k.ravel())]
-        return np.asarray(out, dtype=np.float64).reshape(b.shape)
+        return _elementwise(lambda *a: self.round_seconds(kind, *a, tp), batch, canvas, block)
 
     def best_batch(self, kind: StepKind, ready: int, canvas_len: int, block_len: int, tp: int = 1) -> int:
         """How many of `ready` requests one step should take: the size of the cheapest split
         (`round_seconds`); the largest size among equally cheap ones."""
-        if ready <= 1:
+        if ready <= 1 or (StepKind(kind), tp) not in self.measured:
             return max(ready, 0)
-        cost = {k: math.ceil(ready / k) * self.predict(kind, k, canvas_len, block_len, tp)
-                for k in self._splits(kind, ready, tp)}
+        cost = self._split_costs(kind, ready, canvas_len, block_len, tp)
         least = min(cost.values())
         return max(k for k, c in cost.items() if c <= least * (1 + 1e-9))
 
@@ -250,6 +246,13 @@ class LatencyModel:
             measured_points = not profile.analytic
         measured = measured_grids(profile.points) if measured_points else {}
         return LatencyModel(model.coefs, profile.label, profile.analytic, 1.0, model.report, measured)
+
+
+def _elementwise(fn, batch, canvas, block) -> np.ndarray:
+    """fn(batch, canvas, block) on plain ints over broadcast arrays."""
+    b, l, k = np.broadcast_arrays(*(np.asarray(x) for x in (batch, canvas, block)))
+    out = [fn(int(x), int(y), int(z)) for x, y, z in zip(b.ravel(), l.ravel(), k.ravel())]
+    return np.asarray(out, dtype=np.float64).reshape(b.shape)
 
 
 def measured_grids(points: Iterable[ProfilePoint]) -> dict[tuple[StepKind, int], MeasuredSteps]:

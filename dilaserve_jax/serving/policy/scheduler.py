@@ -102,7 +102,6 @@ class Scheduler:
         self._releases: list[int] = []
         self._finished: list[Request] = []
         self._memo: dict[tuple, float] = {}
-        self._split_limit = config.batch_limit  # the last batch's size limit (see _pick_batch)
 
     # --- latency ---
     def set_latency_model(self, latency: LatencyModel) -> None:
@@ -202,14 +201,14 @@ class Scheduler:
             self.decisions = self.controller.plan(list(self.running.values()), self.waiting, now,
                                                   self.cfg.num_slots, self.step_time)
         admits = self._admit(now)
-        kind, batch = self._pick_batch(now)
+        kind, batch, limit = self._pick_batch(now)
         if not (batch or admits or releases):
             return None
         taus = tuple(self._tau(r) for r in batch)
         in_batch = {r.id for r in batch}
         # a skip counts as the share of a round a request is due: where the batch is split (the
         # cheapest split takes `limit` of the running requests), a turn every few rounds is fair
-        share = min(1.0, self._split_limit / len(self.running)) if self.running else 1.0
+        share = min(1.0, limit / len(self.running)) if self.running else 1.0
         for r in self.running.values():
             r.steps_skipped = 0 if r.id in in_batch else r.steps_skipped + share
         return StepPlan(now, kind if batch else None, tuple(r.slot for r in batch), tuple(r.id for r in batch),
@@ -265,9 +264,10 @@ class Scheduler:
             w.steps_skipped += 1
         return tuple(admits)
 
-    def _pick_batch(self, now: float) -> tuple[StepKind | None, list[Request]]:
+    def _pick_batch(self, now: float) -> tuple[StepKind | None, list[Request], int]:
+        """The step's kind, its requests, and the size limit it was picked under."""
         if not self.running:
-            return None, []
+            return None, [], self.cfg.batch_limit
         order = sorted(self.running.values(), key=self._order_key(now))
         kind = order[0].next_kind  # the most urgent (or starved) request decides the kind
         limit = self.cfg.batch_limit
@@ -276,7 +276,6 @@ class Scheduler:
             first = order[0]
             limit = min(limit, max(1, self.latency.best_batch(kind, ready, first.canvas_length, first.block_length,
                                                               self.cfg.tp)))
-        self._split_limit = limit
         batch: list[Request] = []
         for r in order:
             if r.next_kind != kind or len(batch) >= limit:
@@ -284,7 +283,7 @@ class Scheduler:
             if self.cfg.adaptive and batch and not self._starved(r) and not self._fits(batch, r, now):
                 continue
             batch.append(r)
-        return kind, batch
+        return kind, batch, limit
 
     # --- results in ---
     def update(self, plan: StepPlan, outcomes: list[SlotOutcome], now: float) -> list[Request]:
