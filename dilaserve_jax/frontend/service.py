@@ -1,14 +1,16 @@
 """The DiLaServe gRPC servicer (grpc.aio) over a serving Cluster.
 
-Engine threads report progress and results through thread-safe callbacks and futures; this module
-bridges them into the event loop. A call that is cancelled (client gone, deadline passed) aborts
-its request, which frees its slot at the next step. Every error detail is bounded in length.
+Engine threads report progress and results through thread-safe callbacks and futures; calls.py
+bridges them into the event loop, for this service and the HTTP frontend alike. A call that is
+cancelled (client gone, deadline passed) aborts its request, which frees its slot at the next
+step. Every error detail is bounded in length.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+from contextlib import aclosing
 from typing import Iterable
 
 import grpc
@@ -16,32 +18,50 @@ import grpc
 from dilaserve_jax.frontend import dilaserve_pb2 as pb
 from dilaserve_jax.frontend import dilaserve_pb2_grpc as pb_grpc
 from dilaserve_jax.frontend.admin import MAX_PATH_BYTES, bounded, reload_refusal, weights_roots
-from dilaserve_jax.frontend.validation import GenerateSpec, InvalidRequest, validate
-from dilaserve_jax.models.tokenizer import TokenizerMissing
-from dilaserve_jax.serving.cluster.cluster import Cluster, ClusterBusy, DuplicateRequest
+from dilaserve_jax.frontend.calls import (DRAINING, END_MARK, UNAVAILABLE_ERRORS, CallError, Calls, Failure, Step,
+                                          Submitted, ended_by_eos, render_canvas)
+from dilaserve_jax.frontend.validation import GenerateSpec
+from dilaserve_jax.serving.cluster.cluster import Cluster, ClusterBusy
 from dilaserve_jax.serving.cluster.state import CheckpointWatchState
 from dilaserve_jax.serving.cluster.weights_swap import IncompatibleWeights
-from dilaserve_jax.serving.cluster.engine_types import EngineUnavailable
 from dilaserve_jax.serving.policy.quality import QualitySnapshot
-from dilaserve_jax.serving.policy.request import Request, RequestState
-from dilaserve_jax.serving.policy.router import NoInstanceAvailable
+from dilaserve_jax.serving.policy.request import Request
 
+__all__ = ["DRAINING", "END_MARK", "UNAVAILABLE_ERRORS", "DiLaServeService", "finish_reason", "render_canvas"]
 log = logging.getLogger(__name__)
-END_MARK = "\u00b7"  # canvas positions after the answer's end (EOS)
-UNAVAILABLE_ERRORS = (EngineUnavailable, NoInstanceAvailable)
-DRAINING = "server is draining; retry on another replica"
+GRPC_CODES = {
+    Failure.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Failure.NO_TOKENIZER: grpc.StatusCode.FAILED_PRECONDITION,
+    Failure.DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
+    Failure.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Failure.EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Failure.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Failure.ABORTED: grpc.StatusCode.ABORTED,
+    Failure.INTERNAL: grpc.StatusCode.INTERNAL,
+}
 
 
 class DiLaServeService(pb_grpc.DiLaServeServicer):
-    def __init__(self, cluster: Cluster, metrics=None, weights_roots_extra: Iterable[str] = ()):
+    def __init__(self, cluster: Cluster, metrics=None, weights_roots_extra: Iterable[str] = (),
+                 calls: Calls | None = None):
+        """`calls`: the generation path shared with the HTTP frontend (one is made when not given)."""
         self.cluster = cluster
         self.metrics = metrics
+        self.calls = calls or Calls(cluster, metrics)
         # fixed at start-up: the served model's directory then, plus the given ones
         self.weights_roots = weights_roots(cluster.model_source, weights_roots_extra)
-        self.draining = False
-        self.in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+
+    @property
+    def draining(self) -> bool:
+        return self.calls.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.calls.draining = value
+
+    @property
+    def in_flight(self) -> int:
+        return self.calls.in_flight
 
     # --- RPCs ---
     async def Generate(self, request, context):
@@ -125,18 +145,13 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
     def refusal(self) -> str | None:
         """Why a Generate call would be answered UNAVAILABLE now, or None when it would be accepted
         (draining, warming up, no instance up). GetClusterState's `serving` is this being None, so
-        the two never disagree."""
-        return DRAINING if self.draining else self.cluster.refusal()
+        the two never disagree; the HTTP frontend asks the same."""
+        return self.calls.refusal()
 
     # --- draining ---
     async def drain(self, grace_s: float) -> bool:
-        """Refuse new calls and wait up to grace_s for in-flight ones; True if all finished."""
-        self.draining = True
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout=grace_s)
-            return True
-        except asyncio.TimeoutError:
-            return False
+        """Refuse new calls (gRPC and HTTP) and wait up to grace_s for in-flight ones; True if all finished."""
+        return await self.calls.drain(grace_s)
 
     # --- internals ---
     def _cluster_state(self) -> pb.ClusterState:
@@ -154,95 +169,25 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
 
     async def _run(self, request, context, stream: bool):
         await _check_parsed(request, context)
-        refusal = self.refusal()
-        if refusal is not None:
-            self._count("unavailable")
-            await _abort(context, grpc.StatusCode.UNAVAILABLE, refusal)
         try:
-            spec = validate(request, self.cluster.tokenizer, self.cluster.limits)
-        except InvalidRequest as err:
-            self._count("invalid")
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        except TokenizerMissing as err:  # a checkpoint without tokenizer files: token-id prompts only
-            self._count("invalid")
-            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(err))
-        remaining = context.time_remaining()
-        if remaining is not None and remaining <= 0:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline has already passed")
-        slo_s = remaining if remaining is not None else (spec.slo_s or self.cluster.limits.default_slo_ms / 1000.0)
-        now = self.cluster.clock()
-        req = Request(spec.request_id, spec.prompt_tokens, spec.answer_length, spec.block_length, now, now + slo_s,
-                      tau_min=spec.tau_min, tau_max=spec.tau_max, temperature=spec.temperature, seed=spec.seed,
-                      max_accuracy_drop=spec.max_accuracy_drop, strict_admission=spec.strict_admission)
-
-        loop = asyncio.get_running_loop()
-        updates: asyncio.Queue = asyncio.Queue()
-        on_progress = (lambda p: loop.call_soon_threadsafe(updates.put_nowait, p)) if stream else None
-        self._enter()
-        try:
-            try:
-                handle = self.cluster.submit(req, on_progress)
-            except DuplicateRequest as err:
-                self._count("invalid")
-                await _abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {err}")
-            except UNAVAILABLE_ERRORS as err:
-                self._count("unavailable")
-                await _abort(context, grpc.StatusCode.UNAVAILABLE, str(err))
-            except Exception as err:  # a server-side fault: say so instead of gRPC's bare UNKNOWN
-                log.exception("submitting %s failed", spec.request_id)
-                self._count("error")
-                await _abort(context, grpc.StatusCode.INTERNAL, f"server error: {type(err).__name__}: {err}")
-            await context.send_initial_metadata((("x-request-id", spec.request_id),))
-            result_future = asyncio.wrap_future(handle.future)
-            try:
-                if stream:
-                    async for update in self._updates(spec, updates, result_future):
-                        yield update
-                result = await result_future
-            except asyncio.CancelledError:
-                self.cluster.abort(spec.request_id)
-                self._count("cancelled")
-                raise
-            except UNAVAILABLE_ERRORS as err:  # every instance that could run it has failed
-                self._count("unavailable")
-                await _abort(context, grpc.StatusCode.UNAVAILABLE, str(err))
-            except Exception as err:  # noqa: BLE001 - a server-side fault
-                log.exception("request %s failed", spec.request_id)
-                self._count("error")
-                await _abort(context, grpc.StatusCode.INTERNAL, f"server error: {type(err).__name__}: {err}")
-            if result.state == RequestState.FINISHED_REJECTED:
-                self._count("rejected")
-                await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"rejected: {result.reject_reason}")
-            if result.state != RequestState.FINISHED_OK:
-                self._count(result.state.name.lower().removeprefix("finished_"))
-                await context.abort(grpc.StatusCode.ABORTED, f"request ended as {result.state.name}")
-            self._count("ok", result.deadline_met)
-            yield self._final(spec, req, result)
-        finally:
-            self._leave()
-
-    async def _updates(self, spec: GenerateSpec, updates: asyncio.Queue, result_future):
-        tok = self.cluster.tokenizer
-        answer = [tok.mask_id] * spec.answer_length
-        step = total = 0
-        while True:
-            getter = asyncio.ensure_future(updates.get())
-            done, _ = await asyncio.wait({getter, result_future}, return_when=asyncio.FIRST_COMPLETED)
-            if getter not in done:
-                getter.cancel()
-                while not updates.empty():  # flush steps reported before the result
-                    step, total = _apply(answer, updates.get_nowait(), step, total)
-                    yield self._update(tok, answer, spec, step, total)
-                return
-            p = getter.result()
-            step, total = _apply(answer, p, step, total)
-            yield self._update(tok, answer, spec, step, total, p)
-
-    @staticmethod
-    def _update(tok, answer, spec, step, total, p=None) -> pb.StepUpdate:
-        return pb.StepUpdate(step=step, canvas=render_canvas(tok, answer[:spec.max_new_tokens]),
-                             tokens_committed=len(p.positions) if p else 0, total_committed=total,
-                             tau=p.tau if p else 0.0, step_kind=p.kind.label if p else "")
+            spec = self.calls.accept(request)
+            remaining = context.time_remaining()
+            if remaining is not None and remaining <= 0:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline has already passed")
+            tok = self.cluster.tokenizer
+            async with aclosing(self.calls.run(spec, stream=stream, deadline_s=remaining)) as events:
+                async for event in events:
+                    if isinstance(event, Submitted):
+                        await context.send_initial_metadata((("x-request-id", spec.request_id),))
+                    elif isinstance(event, Step):
+                        yield pb.StepUpdate(step=event.step, canvas=render_canvas(tok, event.answer[:spec.max_new_tokens]),
+                                            tokens_committed=len(event.progress.positions),
+                                            total_committed=event.total_committed, tau=event.progress.tau,
+                                            step_kind=event.progress.kind.label)
+                    else:
+                        yield self._final(spec, event.request, event.result)
+        except CallError as err:
+            await _abort(context, GRPC_CODES[err.failure], str(err))
 
     def _final(self, spec: GenerateSpec, req: Request, result) -> pb.GenerateResponse:
         tokens = list(result.tokens)[:spec.max_new_tokens]
@@ -257,41 +202,13 @@ class DiLaServeService(pb_grpc.DiLaServeServicer):
             instance=result.instance, moves=result.moves, taus=result.taus,
             predicted_accuracy_loss=result.predicted_loss)
 
-    def _count(self, outcome: str, deadline_met: bool | None = None) -> None:
-        if self.metrics is not None:
-            self.metrics.finished(outcome, deadline_met)
-
-    def _enter(self):
-        self.in_flight += 1
-        self._idle.clear()
-
-    def _leave(self):
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self._idle.set()
-
 
 def finish_reason(answer_tokens: int, max_new_tokens: int, answer_area: int) -> int:
     """STOP when the answer ended (EOS) within what the caller asked for; LENGTH when it was cut by
     `max_new_tokens` or filled the whole area. `answer_tokens` counts the tokens before the first
     EOS in the untruncated answer area."""
-    ended = answer_tokens < answer_area
-    return pb.FINISH_REASON_STOP if ended and answer_tokens <= max_new_tokens else pb.FINISH_REASON_LENGTH
-
-
-def render_canvas(tok, answer: list[int]) -> str:
-    """One piece per answer position, so positions line up step after step: the token's text,
-    '_' where still masked, END_MARK from the first EOS on (the answer has ended there)."""
-    out, ended = [], False
-    for t in answer:
-        ended = ended or t == tok.eos_id
-        if ended or t == tok.pad_id:
-            out.append(END_MARK)
-        elif t == tok.mask_id:
-            out.append("_")
-        else:
-            out.append(tok.decode([t]) or "\ufffd")
-    return "".join(out)
+    return pb.FINISH_REASON_STOP if ended_by_eos(answer_tokens, max_new_tokens, answer_area) \
+        else pb.FINISH_REASON_LENGTH
 
 
 def _watch_state(watch: CheckpointWatchState | None) -> pb.CheckpointWatch | None:
@@ -307,13 +224,6 @@ async def _abort(context, code: grpc.StatusCode, message: str) -> None:
 async def _check_parsed(request, context) -> None:
     if not hasattr(request, "DESCRIPTOR"):  # server.MalformedRequest: the bytes were not a valid message
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: malformed message ({request.error})")
-
-
-def _apply(answer: list[int], progress, step: int, total: int) -> tuple[int, int]:
-    for pos, tok in zip(progress.positions, progress.tokens):
-        if 0 <= pos < len(answer):
-            answer[pos] = tok
-    return step + 1, progress.committed
 
 
 def _quality(q: QualitySnapshot | None) -> pb.QualityState | None:
