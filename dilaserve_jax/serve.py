@@ -1,4 +1,5 @@
-"""`python -m dilaserve_jax.serve --mesh 2x4`: the gRPC server over a mesh of model instances."""
+"""`python -m dilaserve_jax.serve --mesh 2x4`: the gRPC server (and the OpenAI-compatible HTTP API
+beside it) over a mesh of model instances."""
 from __future__ import annotations
 
 import argparse
@@ -37,20 +38,23 @@ class ServeCommand:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dilaserve_jax.frontend.http.options import HttpOptions
     from dilaserve_jax.frontend.server import ServerOptions
     from dilaserve_jax.serving.executor.build import ServeConfig
     from dilaserve_jax.serving.policy.controller import ControllerConfig
 
     p = argparse.ArgumentParser(
         prog="python -m dilaserve_jax.serve",
-        description="Serve a diffusion LM over gRPC on a mesh of model instances, scheduling denoising steps "
-                    "deadline-first and adapting each request's confidence threshold. Defaults work on a "
-                    "fresh machine: the embedded tiny model, loopback, CPU devices when there is no accelerator.")
+        description="Serve a diffusion LM over gRPC and an OpenAI-compatible HTTP API on a mesh of model "
+                    "instances, scheduling denoising steps deadline-first and adapting each request's confidence "
+                    "threshold. Defaults work on a fresh machine: the embedded tiny model, loopback, CPU devices "
+                    "when there is no accelerator.")
     add_config_arguments(p, ServeConfig, exclude=("length_buckets", "block_buckets", "param_dtype",
                                                   "default_block_length", "allow_unused_devices", "controller_config",
                                                   "devices", "kv_memory_gb"))
     add_config_arguments(p, ControllerConfig, only=CONTROLLER_FLAGS)
     add_config_arguments(p, ServerOptions, exclude=("max_message_bytes",))
+    add_config_arguments(p, HttpOptions)
     add_config_arguments(p, ServeCommand, only=("compile_cache",))
     add_config_arguments(p, ServeConfig, only=("devices", "kv_memory_gb"), group=SHARE)
     add_config_arguments(p, ServeCommand, only=("watch_checkpoints", "watch_interval_s"), group=SHARE)
@@ -73,6 +77,7 @@ def present_cpu_devices(mesh: str, processes: int, device_ids: tuple[int, ...] |
 
 @returns_exit_status
 def main(argv: list[str] | None = None) -> int:
+    from dilaserve_jax.frontend.http.options import HttpOptions
     from dilaserve_jax.frontend.server import ServerOptions
     from dilaserve_jax.serving.executor.build import ServeConfig
     from dilaserve_jax.serving.policy.controller import ControllerConfig
@@ -87,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(ServeConfig, args, parser,
                               controller_config=config_from_args(ControllerConfig, args, parser))
     options = config_from_args(ServerOptions, args, parser)
+    http = config_from_args(HttpOptions, args, parser)
     try:
         dist = distributed_config(args)
         cpu_devices = present_cpu_devices(config.mesh, dist.num_processes if dist else 1, config.devices)
@@ -113,15 +119,23 @@ def main(argv: list[str] | None = None) -> int:
         directory = command.watch_checkpoints
         watcher = CheckpointWatcher(cluster, directory, interval_s=command.watch_interval_s, say=log.info,
                                     after_step=served_step(cluster.model_source, directory))
-    return asyncio.run(_serve(cluster, options, watcher))
+    return asyncio.run(_serve(cluster, options, watcher, http))
 
 
-async def _serve(cluster, options, watcher=None) -> int:
+async def _serve(cluster, options, watcher=None, http=None) -> int:
     from dilaserve_jax.frontend.server import start_server
 
-    running = await start_server(cluster, options)
+    try:
+        running = await start_server(cluster, options, http)
+    except OSError as err:  # a port in use, an address not on this machine
+        log.error(f"error: cannot listen on {options.host}: {err}")
+        cluster.stop(wait_background=False)
+        return 2
     scheme = "grpcs" if options.tls_cert else "grpc"
+    web = "https" if options.tls_cert else "http"
     log.info(f"listening on {scheme}://{options.host}:{running.port} (health NOT_SERVING while compiling)"
+        + (f"; OpenAI-compatible API on {web}://{options.host}:{running.http_port}/v1 (/health 503 while "
+           f"compiling)" if running.http_port else "")
         + (f"; metrics on http://{options.host}:{running.metrics_port}/metrics" if running.metrics_port else ""))
     log.info("auth: " + ("on (every call needs 'authorization: Bearer <token>')" if options.auth_token else "off")
         + "; admin calls (ReloadWeights, Reconfigure): "
@@ -143,6 +157,11 @@ async def _serve(cluster, options, watcher=None) -> int:
         log.info(f"ready: serving {cluster.model_source} with policy {cluster.policy} on "
             f"{options.host}:{running.port} (try: python -m dilaserve_jax.client --target "
             f"{options.host}:{running.port}{token}{tls} \"sort 93142=\")")
+        if running.http_port:
+            bearer = " -H \"Authorization: Bearer $DILASERVE_AUTH_TOKEN\"" if options.auth_token else ""
+            log.info(f"ready: OpenAI-compatible API (try: curl{' --cacert ' + options.tls_cert if options.tls_cert else ''}"
+                     f" {web}://{options.host}:{running.http_port}/v1/completions{bearer} -d "
+                     f"'{{\"prompt\": \"sort 93142=\", \"max_tokens\": 12}}')")
         if watcher is not None:
             watcher.start()
             log.info(f"watching {watcher.directory} for new training steps every {watcher.interval_s:g} s")

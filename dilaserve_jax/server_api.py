@@ -48,7 +48,8 @@ class PushReport:
 
 class Server:
     def __init__(self, model, params=None, *, devices: Sequence | None = None, mesh: str = "1",
-                 host: str = "127.0.0.1", port: int = 50051, metrics_port: int | None = None, tokenizer=None,
+                 host: str = "127.0.0.1", port: int = 50051, metrics_port: int | None = None,
+                 http_port: int | None = None, tokenizer=None,
                  name: str = "memory", watch_checkpoints: str | None = None, watch_interval_s: float = 10.0,
                  auth_token: str | None = None, admin_token: str | None = None, weights_roots: Sequence[str] = (),
                  grace_s: float = 30.0, compile_cache: str | None = None, say: Callable[[str], None] | None = None,
@@ -56,11 +57,13 @@ class Server:
         """`model`: an nnx.Module, a (graphdef, params) pair, or a graphdef with `params`. `params` may
         live anywhere (e.g. sharded for training on other devices); they are copied device to device.
         `devices`: the jax devices to serve on (default all visible); `mesh`: their layout ("2x2",
-        "4", ...). Other keywords go to ServeConfig (slots, kv_memory_gb, cache_mode, policy,
+        "4", ...). `http_port`: serve the OpenAI-compatible HTTP API there too (0: any free port;
+        None: not). Other keywords go to ServeConfig (slots, kv_memory_gb, cache_mode, policy,
         profile, prior, tau_min, controller, ...). `compile_cache`: a directory for XLA's persistent
         compilation cache (a process-wide JAX setting; off by default); measured latency profiles
         are then kept beside it unless `profile_cache` says otherwise. Returns once gRPC listens
         (health NOT_SERVING while compiling)."""
+        from dilaserve_jax.frontend.http.options import HttpOptions
         from dilaserve_jax.frontend.server import ServerOptions
         from dilaserve_jax.mesh.share import share_layout
         from dilaserve_jax.mesh.spec import check_model
@@ -82,6 +85,7 @@ class Server:
         self.config = ServeConfig(model=f"{name}:initial", mesh=mesh, devices=ids, **serve_config)
         self.options = ServerOptions(host=host, port=port, metrics_port=metrics_port, auth_token=auth_token,
                                      admin_token=admin_token, weights_roots=tuple(weights_roots), grace_s=grace_s)
+        self.http_options = HttpOptions(http_port=http_port)
         layout = share_layout(mesh, ids)
         check_model(layout.spec, model_cfg)
         serving, plans = _serving_model(self.config, layout, model_cfg, params, tokenizer, f"{name}:initial")
@@ -101,12 +105,13 @@ class Server:
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="dilaserve-grpc", daemon=True)
         self._loop_thread.start()
         try:
-            self._running = self._on_loop(_start(self.cluster, self.options))
+            self._running = self._on_loop(_start(self.cluster, self.options, self.http_options))
         except BaseException:
             self._loop.call_soon_threadsafe(self._loop.stop)
             raise
         self.port = self._running.port
         self.metrics_port = self._running.metrics_port
+        self.http_port = self._running.http_port
         self._say(f"listening on {host}:{self.port} (health NOT_SERVING while compiling)")
         self._warm_thread = threading.Thread(target=self._warm_up, name="dilaserve-warm-up", daemon=True)
         self._warm_thread.start()
@@ -212,10 +217,10 @@ class Server:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
 
-async def _start(cluster, options):
+async def _start(cluster, options, http=None):
     from dilaserve_jax.frontend.server import start_server
 
-    return await start_server(cluster, options)
+    return await start_server(cluster, options, http)
 
 
 def _split(model, params):

@@ -1,4 +1,5 @@
-"""Assembles the grpc.aio server: service, health checking, reflection, auth, TLS, metrics, drain."""
+"""Assembles the grpc.aio server: service, health checking, reflection, auth, TLS, metrics, drain;
+and, when asked, the OpenAI-compatible HTTP API beside it on the same loop (frontend/http/)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from dilaserve_jax.core.cli import opt, or_none
 from dilaserve_jax.frontend import dilaserve_pb2 as pb
 from dilaserve_jax.frontend.auth import AccessInterceptor
+from dilaserve_jax.frontend.calls import Calls
 from dilaserve_jax.frontend.metrics import ServingMetrics
 from dilaserve_jax.frontend.service import DiLaServeService
 
@@ -54,9 +56,11 @@ class ServerOptions:
 
 class RunningServer:
     def __init__(self, server, service: DiLaServeService, health_servicer, metrics: ServingMetrics,
-                 port: int, metrics_port: int | None, grace_s: float, access: AccessInterceptor):
+                 port: int, metrics_port: int | None, grace_s: float, access: AccessInterceptor, http=None):
         self.server, self.service, self.health, self.metrics = server, service, health_servicer, metrics
         self.port, self.metrics_port, self.grace_s, self.access = port, metrics_port, grace_s, access
+        self.http = http  # the HTTP API's listener (frontend/http/listener.py), or None
+        self.http_port = http.port if http is not None else None
         self._wanted_serving = False
 
     async def set_serving(self, serving: bool) -> None:
@@ -72,11 +76,14 @@ class RunningServer:
         await self.set_serving(self._wanted_serving)
 
     async def drain_and_stop(self, grace_s: float | None = None) -> bool:
-        """NOT_SERVING, refuse new calls, let in-flight calls finish (up to the grace period), stop."""
+        """NOT_SERVING, refuse new calls (gRPC and HTTP), let in-flight calls finish (up to the grace
+        period), stop both."""
         grace_s = self.grace_s if grace_s is None else grace_s
         await self.set_serving(False)
         finished = await self.service.drain(grace_s)
         await self.server.stop(grace=1.0)
+        if self.http is not None:
+            await self.http.stop(timeout_s=1.0)
         self.metrics.close()
         return finished
 
@@ -111,8 +118,10 @@ def service_handlers(service: DiLaServeService):
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
-async def start_server(cluster, options: ServerOptions) -> RunningServer:
-    """Start listening (health NOT_SERVING until `set_serving(True)` after warm-up)."""
+async def start_server(cluster, options: ServerOptions, http=None) -> RunningServer:
+    """Start listening (health NOT_SERVING until `set_serving(True)` after warm-up). `http`: an
+    HttpOptions whose port is set serves the OpenAI-compatible API too, on options.host, with the
+    same auth token and TLS, through the same generation path as gRPC."""
     access = AccessInterceptor(options.auth_token, options.admin_token, options.host)
     server = grpc.aio.server(interceptors=[access] if access.active else [], options=[
         ("grpc.max_receive_message_length", options.max_message_bytes),
@@ -121,7 +130,8 @@ async def start_server(cluster, options: ServerOptions) -> RunningServer:
     metrics = ServingMetrics(cluster)
     cluster.add_step_hook(metrics.step_hook)  # on the engines a reconfiguration builds too
     cluster.add_listener(metrics.cluster_event)
-    service = DiLaServeService(cluster, metrics, options.weights_roots)
+    calls = Calls(cluster, metrics)
+    service = DiLaServeService(cluster, metrics, options.weights_roots, calls=calls)
     server.add_generic_rpc_handlers((service_handlers(service),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -139,7 +149,22 @@ async def start_server(cluster, options: ServerOptions) -> RunningServer:
     metrics_port = None
     if options.metrics_port is not None:
         metrics_port = metrics.serve_http(options.metrics_port, options.host)
-    running = RunningServer(server, service, health_servicer, metrics, port, metrics_port, options.grace_s, access)
+    listener = None
+    if http is not None and http.http_port is not None:
+        from dilaserve_jax.frontend.http.app import HttpFrontend
+        from dilaserve_jax.frontend.http.listener import start_http
+
+        frontend = HttpFrontend(calls, metrics, model_id=http.served_model_name, auth_token=options.auth_token,
+                                admin_token=options.admin_token)
+        try:
+            listener = await start_http(frontend.app, options.host, http.http_port, tls_cert=options.tls_cert,
+                                        tls_key=options.tls_key)
+        except BaseException:
+            await server.stop(None)
+            metrics.close()
+            raise
+    running = RunningServer(server, service, health_servicer, metrics, port, metrics_port, options.grace_s, access,
+                            listener)
     loop = asyncio.get_running_loop()
 
     def on_cluster_event(event: str, _details: dict) -> None:  # engine or watchdog thread

@@ -19,14 +19,16 @@ from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
 
 
 class ServerThread:
-    def __init__(self, cluster, **options):
+    def __init__(self, cluster, http=None, **options):
+        """`http`: HttpOptions to serve the OpenAI-compatible API too (at `http_base`)."""
         self.cluster = cluster
         self.options = ServerOptions(port=0, metrics_port=0, grace_s=5.0, **options)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.running = self.call(start_server(cluster, self.options))
+        self.running = self.call(start_server(cluster, self.options, http))
         self.target = f"127.0.0.1:{self.running.port}"
+        self.http_base = f"http://127.0.0.1:{self.running.http_port}" if self.running.http_port else None
 
     def call(self, coro, timeout=60):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

@@ -164,7 +164,8 @@ def _stop(proc, pending) -> str:
 def test_serve_command_starts_answers_and_stops_on_sigterm(tmp_path):
     """Cold: the controller's TP degrees (4 of the layout, 1 on a temporary instance) are measured
     before `ready:`; warm (same caches): read back, nothing measured."""
-    args = ["--mesh", "2x4", "--layouts", "2x4,8x1", "--port", "0", "--metrics-port", "-1", "--slots", "2",
+    args = ["--mesh", "2x4", "--layouts", "2x4,8x1", "--port", "0", "--metrics-port", "-1", "--http-port", "-1",
+            "--slots", "2",
             "--compile-cache", str(tmp_path / "xla")]
     proc, log, port, pending = _serve_until_ready(args)
     try:
