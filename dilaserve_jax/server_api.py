@@ -6,10 +6,11 @@
     server.stop()                                        # drains in-flight calls
 
 It runs the same pieces as `python -m dilaserve_jax.serve` -- gRPC service with health and
-reflection, optional Prometheus metrics, the scheduler and one engine thread per instance, the
-watchdog, optionally a checkpoint watcher -- on background threads: gRPC on its own asyncio
-event-loop thread, compilation and the start-up latency profile on the engines' threads (a
-warm-up thread waits for them), pushed weights on a push thread. The caller's thread only builds
+reflection, optional Prometheus metrics and OpenAI-compatible HTTP API (`http_port=`), the
+scheduler and one engine thread per instance, the watchdog, optionally a checkpoint watcher -- on
+background threads: gRPC (and HTTP) on its own asyncio event-loop thread, compilation and the
+start-up latency profile on the engines' threads (a warm-up thread waits for them), pushed weights
+on a push thread. The caller's thread only builds
 the cluster at construction and, per push, enqueues device-to-device copies (serving/executor/push.py).
 
 Memory on each serving device (docs/colocation.md): its shard of the weights, one more shard

@@ -217,16 +217,28 @@ RAW = st.one_of(st.binary(max_size=64).filter(lambda b: not b.strip().startswith
                 st.sampled_from([b"{", b"[1, 2]", b'"text"', b"null", b'{"prompt": "hi",}', b"[" * 5000 + b"]" * 5000]))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(case=st.one_of(st.tuples(st.sampled_from(sorted(BAD_VALUES)), st.data()), RAW))
-def test_fuzzed_bad_bodies_are_4xx_in_openai_shape_and_the_server_keeps_serving(served, case):
+BAD_TIMEOUTS = st.sampled_from(["0", "-1", "nan", "inf", "1e308", "soon", ""])
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=st.one_of(st.tuples(st.sampled_from(sorted(BAD_VALUES)), st.data()), RAW, BAD_TIMEOUTS),
+       path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+def test_fuzzed_bad_bodies_are_4xx_in_openai_shape_and_the_server_keeps_serving(served, case, path):
+    headers, good = _auth(), {"model": "tiny", "prompt": "sort 312=", "max_tokens": 8}
+    if path.endswith("chat/completions"):
+        good = {"model": "tiny", "messages": [{"role": "user", "content": "sort 312="}], "max_tokens": 8}
     if isinstance(case, bytes):
-        raw, path = case, "/v1/completions"
+        raw = case
+    elif isinstance(case, str):
+        raw, headers = json.dumps(good).encode(), {**headers, "X-Request-Timeout": case}
     else:
         field, data = case
-        body = {"model": "tiny", "prompt": "sort 312=", "max_tokens": 8, field: data.draw(BAD_VALUES[field])}
-        raw, path = json.dumps(body).encode(), "/v1/completions"
-    r = httpx.post(served.http_base + path, content=raw, headers=_auth(), timeout=30)
+        if field == "prompt" and "messages" in good:
+            good["messages"][0]["content"] = data.draw(BAD_VALUES[field])
+        else:
+            good[field] = data.draw(BAD_VALUES[field])
+        raw = json.dumps(good).encode()
+    r = httpx.post(served.http_base + path, content=raw, headers=headers, timeout=30)
     assert 400 <= r.status_code < 500, (case, r.status_code, r.text[:300])
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str)

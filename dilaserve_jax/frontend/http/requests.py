@@ -24,6 +24,7 @@ MAX_STOP = 4  # stop strings, as OpenAI allows
 MAX_STOP_CHARS = 256
 INT32 = 2 ** 31
 TIMEOUT_HEADER = "x-request-timeout"  # seconds: a hard deadline (504 once passed)
+MAX_TIMEOUT_S = 86_400.0
 PROMPT_TYPES = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
 
 
@@ -194,9 +195,9 @@ def request_timeout(headers) -> float | None:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise ApiError(400, f"X-Request-Timeout: must be a positive number of seconds, got {text[:64]!r}",
-                       param="X-Request-Timeout")
+    if not 0 < value <= MAX_TIMEOUT_S:  # NaN fails too
+        raise ApiError(400, f"X-Request-Timeout: must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}], got "
+                       f"{text[:64]!r}", param="X-Request-Timeout")
     return value
 
 

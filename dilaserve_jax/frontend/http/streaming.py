@@ -11,6 +11,7 @@ until it is certain. The `dilaserve` object of each chunk carries the whole canv
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import AsyncIterator, Awaitable, Callable
 
 from dilaserve_jax.frontend.calls import Finished, Step, render_canvas
@@ -88,11 +89,17 @@ def result_view(done: Finished) -> dict:
     """The `dilaserve` object of a finished answer (the gRPC GenerateResponse's figures)."""
     r = done.result
     start = r.start if r.start is not None else r.finish
-    return {"request_id": done.spec.request_id, "steps": r.steps, "mean_tau": r.mean_tau or 0.0,
-            "predicted_accuracy_loss": r.predicted_loss, "deadline_met": r.deadline_met,
-            "deadline_ms": (done.request.deadline - done.request.arrival) * 1e3, "instance": r.instance,
-            "moves": r.moves, "queue_ms": (start - r.arrival) * 1e3, "decode_ms": (r.finish - start) * 1e3,
-            "total_ms": (r.finish - r.arrival) * 1e3, "taus": list(r.taus)}
+    return {"request_id": done.spec.request_id, "steps": r.steps, "mean_tau": _finite(r.mean_tau or 0.0),
+            "predicted_accuracy_loss": _finite(r.predicted_loss), "deadline_met": r.deadline_met,
+            "deadline_ms": _finite((done.request.deadline - done.request.arrival) * 1e3), "instance": r.instance,
+            "moves": r.moves, "queue_ms": _finite((start - r.arrival) * 1e3),
+            "decode_ms": _finite((r.finish - start) * 1e3), "total_ms": _finite((r.finish - r.arrival) * 1e3),
+            "taus": [_finite(t) for t in r.taus]}
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no inf or NaN: None stands for them."""
+    return x if math.isfinite(x) else None
 
 
 def sse(data: str) -> bytes:
