@@ -81,7 +81,7 @@ def _wait_idle(cluster, timeout=10.0):
     return False
 
 
-def test_completions_through_the_openai_client_equal_the_grpc_answers(oa, grpc_answers):
+def test_completions_through_the_openai_client_equal_the_grpc_answers(served, oa, grpc_answers):
     for prompt, want in grpc_answers.items():
         r = oa.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, seed=0, extra_body=TAU)
         choice = r.choices[0]
@@ -104,6 +104,12 @@ def test_completions_through_the_openai_client_equal_the_grpc_answers(oa, grpc_a
     assert [c.text for c in r.choices] == [grpc_answers[PROMPTS[0]].text, grpc_answers[PROMPTS[1]].text]
     assert [c.index for c in r.choices] == [0, 1]
     assert r.choices[0].dilaserve["deadline_ms"] == pytest.approx(12_345, rel=1e-3)
+    # sampled: the same seed gives the same answer on both paths
+    with served.client(auth_token=TOKEN) as c:
+        sampled = c.generate(PROMPTS[2], max_new_tokens=16, block_length=16, tau_min=0.9, tau_max=0.9,
+                             temperature=0.8, seed=7)
+    r = oa.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=16, temperature=0.8, seed=7, extra_body=TAU)
+    assert r.choices[0].text == sampled.text
     # max_tokens cuts the answer: finish_reason length
     r = oa.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2, extra_body=TAU)
     assert r.choices[0].finish_reason == "length" and len(r.choices[0].text) == 2

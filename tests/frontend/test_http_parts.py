@@ -112,19 +112,21 @@ def test_committed_text_is_released_left_to_right_never_past_a_stop(text, stop, 
     assert sent == final
 
 
-def _slow_server(**kw):
-    return ServerThread(fake_cluster(**kw), http=HttpOptions(http_port=0))
+def _slow_server(name=None, **kw):
+    return ServerThread(fake_cluster(**kw), http=HttpOptions(http_port=0, served_model_name=name))
 
 
 def test_warming_draining_and_a_checkpoint_without_a_template_over_http():
-    server = _slow_server()
-    body = {"model": "fake", "prompt": "hi", "max_tokens": 16}
+    server = _slow_server(name="my-model")
+    body = {"model": "my-model", "prompt": "hi", "max_tokens": 16}
     try:
         r = httpx.post(server.http_base + "/v1/completions", json=body)
         assert r.status_code == 503 and r.headers["retry-after"] == "1" and "warming up" in r.json()["error"]["message"]
         assert httpx.get(server.http_base + "/health").status_code == 503
         server.ready()
-        assert httpx.get(server.http_base + "/health").status_code == 200
+        assert httpx.get(server.http_base + "/health").json() == {"status": "serving", "model": "my-model"}
+        assert [m["id"] for m in httpx.get(server.http_base + "/v1/models").json()["data"]] == ["my-model"]
+        assert httpx.post(server.http_base + "/v1/completions", json={**body, "model": "fake"}).status_code == 404
         assert httpx.post(server.http_base + "/v1/completions", json=body).status_code == 200
         r = httpx.post(server.http_base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 400 and r.json()["error"]["code"] == "no_chat_template"
