@@ -158,6 +158,10 @@ class SimCluster:
     def push(self, t: float, prio: int, what, payload=None) -> None:
         heapq.heappush(self._events, (t, prio, next(self._seq), what, payload))
 
+    def has_events(self, other_than: int | None = None) -> bool:
+        """Whether any event (of a priority other than `other_than`) is still to come."""
+        return any(e[1] != other_than for e in self._events)
+
     def wake(self, inst: SimInstance, t: float) -> None:
         """Make an idle instance iterate at t (a busy one does at the end of its step)."""
         if not inst.scheduled and inst.busy_until is None:

@@ -237,6 +237,12 @@ class Simulation:
                 cluster.push(self.specs[i + 1].arrival, ARRIVAL, None, i + 1)
 
         def control(t, _, __):
+            if done[0] < n and not cluster.has_events(other_than=CONTROL):
+                # no arrival, step or switch left to come, yet requests unfinished: nothing can
+                # finish them (a lost request); say so instead of ticking the clock forever
+                lost = sorted(cluster.where)
+                raise RuntimeError(f"simulation stalled at {t:.1f} s: {n - done[0]} request(s) unfinished with "
+                                   f"no work left to run ({', '.join(lost[:5]) or 'placed nowhere'})")
             if outstanding[0] or done[0] < n:
                 if not cluster.switching:
                     scaler.round(t)

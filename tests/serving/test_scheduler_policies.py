@@ -269,3 +269,23 @@ def test_a_deep_queue_plans_only_what_is_within_reach(latency):
     calls.clear()
     ctl.plan([], [req(f"lost{i}", 0.0, 1e-3) for i in range(100)], 0.1, 2, counting)
     assert not calls  # lost ones are found once (ids remembered) and never planned again
+
+
+def test_a_hand_over_in_the_iteration_a_moved_request_arrives_loses_nothing(latency):
+    # a request moved here is queued without a τ decision until the next round; a hand-over in
+    # the same iteration publishes the load with it in the queue
+    engine, clock = make_engine(latency, slots=1)
+    first = engine.submit(req("a", 0.0, 10.0, answer=48, block=16))
+    engine.submit(req("c", 0.0, 10.0, answer=48, block=16))
+    engine.step_once()
+    moved = engine.hand_over(["a"])
+    engine.step_once()
+    (a,) = moved.result(0)
+    engine.submit(a.request, a.on_progress, future=a.future, speed_ratio=a.speed_ratio)
+    second = engine.hand_over(["c"])
+    engine.step_once()
+    assert [h.request.id for h in second.result(0)] == ["c"]
+    load = engine.snapshot().load
+    assert len(load.waiting_left) + len(load.running_left) == 1  # a, published
+    engine.run_until_idle()
+    assert first.result(0).state == RequestState.FINISHED_OK

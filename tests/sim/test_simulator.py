@@ -199,3 +199,22 @@ def test_control_rounds_stop_when_the_work_is_done(llada):
     res = sim.run()
     assert not sim.cluster._events and res.sim_s < specs[-1].arrival + 10
     assert ARRIVAL < CONTROL
+
+
+def test_a_request_lost_by_the_cluster_stops_the_run_with_its_id(llada, monkeypatch):
+    # a request on no instance would keep the control rounds ticking forever
+    from dilaserve_jax.sim.cluster import SimCluster
+
+    specs = _llada_specs(5, 4)
+    sim = _sim(llada, specs, devices=2, policy="dilaserve", layout="2x1", tp_degrees=(1,))
+    placed = SimCluster._place
+
+    def drop_one(self, req, future, *a, **k):
+        if req.id == "r3":  # accepted, then never queued anywhere
+            self.where[req.id] = "nowhere"
+            return "nowhere"
+        return placed(self, req, future, *a, **k)
+
+    monkeypatch.setattr(SimCluster, "_place", drop_one)
+    with pytest.raises(RuntimeError, match=r"stalled .* 1 request\(s\) unfinished .*r3"):
+        sim.run()

@@ -311,7 +311,10 @@ class Engine:
             with self._cv:
                 fut, cb = self._handles.pop(rid)
             out.append(Handoff(req, fut, cb, ratio))
-        self._publish()
+        try:
+            self._publish()
+        except Exception:  # noqa: BLE001 - the requests are off this instance now: hand them over anyway
+            log.exception("publishing %s's state after a hand-over", self.name)
         return out
 
     def _fail_locked(self, error: BaseException) -> bool:

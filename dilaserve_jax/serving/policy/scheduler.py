@@ -357,8 +357,11 @@ class Scheduler:
         b = max(1, min(self.cfg.num_slots, len(self.running) + len(self.waiting)))
 
         def left(r: Request) -> float:
+            # a request added since the last round has no decision yet: priced at its ceiling, as
+            # an unplanned one is
             d = self.decisions.get(r.id)
-            return self.request_time(r, b, d.tau if d else self._tau(r))
+            tau = d.tau if d else r.tau_max if self.cfg.adaptive else self._tau(r)
+            return self.request_time(r, b, tau)
         reqs = [*self.running.values(), *self.waiting]
         return LoadSnapshot(now, self.cfg.num_slots, self.cfg.tp, tuple(left(r) for r in self.running.values()),
                             tuple(left(r) for r in self.waiting), self.estimator(), tuple(r.deadline for r in reqs),
