@@ -115,7 +115,7 @@ class ClusterStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InstanceState(_message.Message):
-    __slots__ = ("name", "tp_degree", "device_ids", "slots", "running", "waiting", "steps_done", "state", "error", "quality")
+    __slots__ = ("name", "tp_degree", "device_ids", "slots", "running", "waiting", "steps_done", "state", "error", "quality", "host")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TP_DEGREE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class InstanceState(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     QUALITY_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     name: str
     tp_degree: int
     device_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -136,7 +137,8 @@ class InstanceState(_message.Message):
     state: str
     error: str
     quality: QualityState
-    def __init__(self, name: _Optional[str] = ..., tp_degree: _Optional[int] = ..., device_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps_done: _Optional[int] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., quality: _Optional[_Union[QualityState, _Mapping]] = ...) -> None: ...
+    host: str
+    def __init__(self, name: _Optional[str] = ..., tp_degree: _Optional[int] = ..., device_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps_done: _Optional[int] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., quality: _Optional[_Union[QualityState, _Mapping]] = ..., host: _Optional[str] = ...) -> None: ...
 
 class QualityState(_message.Message):
     __slots__ = ("budget", "mode", "served", "predicted_loss_mean", "predicted_loss_spent", "allowance", "mean_tau")

@@ -21,31 +21,38 @@ class _ClusterCollector:
 
     def collect(self):
         state = self.cluster.state()
-        queue = GaugeMetricFamily("dilaserve_queue_length", "Requests waiting for a slot", labels=["instance"])
-        running = GaugeMetricFamily("dilaserve_running_requests", "Requests holding a slot", labels=["instance"])
+        # a `host` label only when instances run on several hosts, so one-process series keep their names
+        hosted = any(inst.host for inst in state.instances)
+        labels = ["instance", "host"] if hosted else ["instance"]
+
+        def where(inst) -> list[str]:
+            return [inst.name, inst.host] if hosted else [inst.name]
+
+        queue = GaugeMetricFamily("dilaserve_queue_length", "Requests waiting for a slot", labels=labels)
+        running = GaugeMetricFamily("dilaserve_running_requests", "Requests holding a slot", labels=labels)
         up = GaugeMetricFamily("dilaserve_instance_up", "1 while the instance serves, 0 once failed or stopped",
-                               labels=["instance"])
+                               labels=labels)
         for inst in state.instances:
-            queue.add_metric([inst.name], inst.waiting)
-            running.add_metric([inst.name], inst.running)
-            up.add_metric([inst.name], 1.0 if inst.up else 0.0)
+            queue.add_metric(where(inst), inst.waiting)
+            running.add_metric(where(inst), inst.running)
+            up.add_metric(where(inst), 1.0 if inst.up else 0.0)
         budget = GaugeMetricFamily("dilaserve_accuracy_budget_points", "Max mean predicted accuracy drop (points "
-                                   "vs the tau ceiling); absent when unbounded", labels=["instance"])
+                                   "vs the tau ceiling); absent when unbounded", labels=labels)
         loss_mean = GaugeMetricFamily("dilaserve_predicted_loss_points_mean", "Mean predicted accuracy loss over "
-                                      "the requests served", labels=["instance"])
+                                      "the requests served", labels=labels)
         loss_spent = GaugeMetricFamily("dilaserve_predicted_loss_points_spent", "Total predicted accuracy loss, "
-                                       "served and running requests", labels=["instance"])
-        mean_tau = GaugeMetricFamily("dilaserve_mean_tau", "Mean threshold over every step run", labels=["instance"])
+                                       "served and running requests", labels=labels)
+        mean_tau = GaugeMetricFamily("dilaserve_mean_tau", "Mean threshold over every step run", labels=labels)
         for inst in state.instances:
             q = inst.quality
             if q is None:
                 continue
             if q.budget is not None:
-                budget.add_metric([inst.name], q.budget)
-            loss_mean.add_metric([inst.name], q.predicted_loss_mean)
-            loss_spent.add_metric([inst.name], q.predicted_loss_spent)
+                budget.add_metric(where(inst), q.budget)
+            loss_mean.add_metric(where(inst), q.predicted_loss_mean)
+            loss_spent.add_metric(where(inst), q.predicted_loss_spent)
             if q.mean_tau is not None:
-                mean_tau.add_metric([inst.name], q.mean_tau)
+                mean_tau.add_metric(where(inst), q.mean_tau)
         yield from (budget, loss_mean, loss_spent, mean_tau)
         layout = InfoMetricFamily("dilaserve_layout", "Current device layout and policy")
         layout.add_metric([], {"layout": state.layout, "policy": state.policy, "model": state.model})

@@ -16,6 +16,7 @@ class InstanceInfo:
     name: str
     tp_degree: int
     device_ids: tuple[int, ...]
+    host: str = ""  # the host whose devices it runs on ("" in a one-process server)
 
 
 class InstanceBuilder(Protocol):

@@ -37,6 +37,7 @@ class InstanceState(_ByName):
     state: str  # "created", "running", "stopped" or "failed"
     error: str  # the fault of a failed instance, else ""
     quality: QualitySnapshot | None  # accuracy-budget accounting; None without an accuracy model
+    host: str = ""  # the host it runs on ("" in a one-process server)
 
     @property
     def up(self) -> bool:
@@ -47,7 +48,7 @@ class InstanceState(_ByName):
         load = snap.load
         return cls(info.name, info.tp_degree, tuple(info.device_ids), load.num_slots, len(load.running_left),
                    len(load.waiting_left) + len(snap.pending), snap.steps, snap.state.name.lower(),
-                   snap.error or "", load.quality)
+                   snap.error or "", load.quality, info.host)
 
 
 @dataclass(frozen=True, slots=True)

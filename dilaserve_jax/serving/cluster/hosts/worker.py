@@ -1,0 +1,199 @@
+"""One host's side of a multi-host server: its engines, and the reports it sends the leader.
+
+A `HostWorker` runs inside the host's worker process (a Ray actor, see ray_hosts.py). It builds
+and owns the engines of that host's devices and takes operations from the leader in ordered
+batches (`apply`): add a request, abort one, hand some over. What happens on the engines comes
+back through one ordered report buffer that the leader drains with `poll`:
+
+  ("step", instance, request id, host state, progress)   after every step of every request
+  ("done", instance, request id, result)                 a request finished
+  ("handed", instance, token, [(request, speed ratio)])  a hand-over the leader asked for
+  ("failed", instance, fault, [(request, speed ratio)])  an instance failed; its requests
+
+Every step is reported (batched per poll): the leader then holds each request's committed canvas
+as of the last poll, so when this process dies it re-queues them from there, losing at most the
+steps of one poll interval, and streams get every step. The reports are appended on the engine
+threads in step order, so a request's steps always reach the leader before its result or its
+hand-over.
+
+Pure Python (no Ray, no JAX): the engines come from a `HostFactory`, fake runners in tests and
+the JAX executor when serving (serving/executor/hosts.py).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Protocol, Sequence
+
+from dilaserve_jax.serving.cluster.builder import InstanceInfo
+from dilaserve_jax.serving.cluster.engine import Engine
+from dilaserve_jax.serving.cluster.engine_types import EngineUnavailable, Handoff, StepProgress
+from dilaserve_jax.serving.policy.request import Request
+
+log = logging.getLogger(__name__)
+
+# the fields of a Request a step changes: copied to the leader's copy after every step
+HOST_STATE_FIELDS = ("state", "start_time", "finish_time", "committed", "block_index", "block_committed",
+                     "needs_refresh", "at_risk", "steps_skipped", "moves", "evidence", "predicted_loss")
+
+
+@dataclass(frozen=True, slots=True)
+class HostBuild:
+    """What a factory builds on one host: engines (not started) and what the leader serves with."""
+
+    engines: Sequence[Engine]
+    infos: Sequence[InstanceInfo]
+    tokenizer: Any = None
+    limits: Any = None
+    policy: str = ""
+    model_source: str = ""
+    family: str = ""
+    warm_up: Callable[[], None] | None = None  # after the engines started: compile and warm them
+
+
+class HostFactory(Protocol):
+    """Builds a host's engines inside its worker process (it must pickle: it travels there)."""
+
+    def build(self, host: str) -> HostBuild:
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class HostInfo:
+    """What the leader learns of a worker when it starts."""
+
+    host: str
+    pid: int
+    infos: tuple[InstanceInfo, ...]  # names local to the host
+    tokenizer: Any
+    limits: Any
+    policy: str
+    model_source: str
+    family: str
+
+
+def _shifted(offset_s: float) -> float:
+    return time.monotonic() + offset_s
+
+
+def host_state(request: Request) -> tuple:
+    return tuple(getattr(request, f) for f in HOST_STATE_FIELDS)
+
+
+class HostWorker:
+    def __init__(self, host: str, factory: HostFactory, watchdog_s: float | None = None) -> None:
+        self.host = host
+        built = factory.build(host)
+        self.engines = {e.name: e for e in built.engines}
+        self._built = built
+        self._cv = threading.Condition()
+        self._reports: list[tuple] = []
+        for e in built.engines:
+            e.on_failure = self._instance_failed
+            e.start()
+        if built.warm_up is not None:
+            built.warm_up()
+        self._stop = threading.Event()
+        if watchdog_s is not None:  # a hung runner call fails its instance, as in one process
+            threading.Thread(target=self._watch, args=(watchdog_s,), name="host-watchdog", daemon=True).start()
+
+    def info(self) -> HostInfo:
+        b = self._built
+        return HostInfo(self.host, os.getpid(), tuple(b.infos), b.tokenizer, b.limits, b.policy, b.model_source,
+                        b.family)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def set_clock_offset(self, offset_s: float) -> None:
+        """Run the engines on the leader's clock (this host's monotonic clock + `offset_s`): request
+        arrivals and deadlines come from the leader, and monotonic clocks differ between machines."""
+        for e in self.engines.values():
+            e.clock = partial(_shifted, offset_s)
+
+    # --- from the leader ---
+    def apply(self, ops: Sequence[tuple]) -> int:
+        """Apply a batch of operations in order; returns how many."""
+        for op in ops:
+            kind, name = op[0], op[1]
+            engine = self.engines[name]
+            if kind == "add":
+                _, _, request, speed_ratio, own_seconds = op
+                self._add(engine, request, speed_ratio, own_seconds)
+            elif kind == "abort":
+                engine.abort(op[2])
+            elif kind == "hand_over":
+                _, _, ids, token = op
+                engine.hand_over(ids).add_done_callback(partial(self._handed, name, token))
+            else:
+                raise ValueError(f"unknown operation {kind!r}")
+        return len(ops)
+
+    def poll(self, wait_s: float) -> tuple[list[tuple], dict]:
+        """The reports since the last poll (waiting up to `wait_s` for one), with every engine's
+        latest snapshot (taken after the reports, so it never runs behind them)."""
+        deadline = time.monotonic() + wait_s
+        with self._cv:
+            while not self._reports and not self._stop.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            reports, self._reports = self._reports, []
+        return reports, {name: e.snapshot() for name, e in self.engines.items()}
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
+        for e in self.engines.values():
+            try:
+                e.stop(5.0)
+            except TimeoutError:
+                log.warning("engine %s did not stop", e.name)
+
+    # --- engine threads ---
+    def _add(self, engine: Engine, request: Request, speed_ratio, own_seconds) -> None:
+        fut: Future = Future()
+        try:
+            engine.submit(request, partial(self._stepped, engine.name, request), future=fut,
+                          speed_ratio=speed_ratio, own_seconds=own_seconds)
+        except EngineUnavailable as err:  # failed meanwhile: the leader moves it with the others
+            self._report(("failed", engine.name, f"{type(err).__name__}: {err}", [(request, speed_ratio)]))
+            return
+        fut.add_done_callback(partial(self._finished, engine.name, request.id))
+
+    def _stepped(self, name: str, request: Request, progress: StepProgress) -> None:
+        # on the engine thread, right after the step was recorded: the request is ours to read
+        self._report(("step", name, request.id, host_state(request), request.steps[-1], progress))
+
+    def _finished(self, name: str, request_id: str, fut: Future) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return  # the engine stopped or failed: its failure report carries the request
+        self._report(("done", name, request_id, fut.result()))
+
+    def _handed(self, name: str, token: int, fut: Future) -> None:
+        handoffs = [] if fut.exception() is not None else fut.result()
+        self._report(("handed", name, token, [(h.request, h.speed_ratio) for h in handoffs]))
+
+    def _instance_failed(self, engine: Engine, handoffs: list[Handoff], error: BaseException) -> None:
+        self._report(("failed", engine.name, f"{type(error).__name__}: {error}",
+                      [(h.request, h.speed_ratio) for h in handoffs]))
+
+    def _report(self, report: tuple) -> None:
+        with self._cv:
+            self._reports.append(report)
+            self._cv.notify_all()
+
+    def _watch(self, limit_s: float) -> None:
+        while not self._stop.wait(min(1.0, limit_s / 4)):
+            for e in self.engines.values():
+                e.check_hung(limit_s)

@@ -1,0 +1,140 @@
+"""Serving across hosts with Ray: one endpoint over two local Ray nodes, each node's worker process
+running two fake-runner instances; migration between hosts, SIGKILL of a worker under load, and
+the worker coming back. One Ray cluster for the whole module (start-up is the expensive part);
+the tests run in file order and the later ones use the state the earlier ones leave."""
+import os
+import signal
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from dilaserve_jax.core.kinds import StepKind  # noqa: E402
+from dilaserve_jax.frontend.validation import Limits  # noqa: E402
+from dilaserve_jax.models import CharTokenizer  # noqa: E402
+from dilaserve_jax.serving.cluster.hosts.fake_hosts import FakeHostFactory, letter_answer  # noqa: E402
+from dilaserve_jax.serving.cluster.hosts.ray_hosts import RayHosts  # noqa: E402
+from dilaserve_jax.serving.policy.request import Request, RequestState  # noqa: E402
+from tests.frontend.conftest import CharFakeRunner, ServerThread, fake_cluster  # noqa: E402
+
+MB = 2**20
+PROMPTS = [f"sort {i * 7919 % 100000}=" for i in range(64)]
+
+
+def _limits(tok):
+    return Limits(max_len=256, vocab_size=tok.vocab_size, reserved_ids=frozenset({tok.mask_id, tok.pad_id}),
+                  default_max_new_tokens=32, default_block_length=16, default_slo_ms=60_000)
+
+
+@pytest.fixture(scope="module")
+def multihost():
+    from ray.cluster_utils import Cluster as RayCluster
+
+    nodes = RayCluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 100 * MB,
+                                                             "include_dashboard": False})
+    nodes.add_node(num_cpus=1, object_store_memory=100 * MB)
+    ray.init(address=nodes.address, log_to_driver=False)
+    tok = CharTokenizer()
+    hosts = RayHosts(FakeHostFactory(instances=2, slots=4, step_s=0.003, tokenizer=tok, limits=_limits(tok)),
+                     join_interval_s=0.3)
+    server = None
+    try:
+        server = ServerThread(hosts.start(step_timeout_s=None)).ready()
+        yield server, hosts
+    finally:
+        if server is not None:
+            server.stop()
+        hosts.stop()
+        ray.shutdown()
+        nodes.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one_process_answers():
+    """What a one-process server over the same fake runners answers for PROMPTS."""
+    server = ServerThread(fake_cluster(runner_cls=CharFakeRunner, max_queue=256)).ready()
+    try:
+        with server.client() as c, ThreadPoolExecutor(16) as pool:
+            return list(pool.map(lambda p: c.generate(p, max_new_tokens=32, block_length=16).text, PROMPTS))
+    finally:
+        server.stop()
+
+
+def _host_of(instance: str) -> str:
+    return instance.split("/")[0]
+
+
+def test_one_endpoint_serves_every_host_and_lists_their_instances(multihost, one_process_answers):
+    server, hosts = multihost
+    with server.client() as c:
+        state = c.cluster_state()
+        with ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(lambda p: c.generate(p, max_new_tokens=32, block_length=16), PROMPTS[:32]))
+        events = list(c.generate_stream(PROMPTS[0], max_new_tokens=32, block_length=16))
+    hosts_listed = {i.host for i in state.instances}
+    assert len(state.instances) == 4 and len(hosts_listed) == 2 and all(i.state == "running" for i in state.instances)
+    assert {_host_of(i.name) for i in state.instances} == hosts_listed
+    assert [r.text for r in got] == one_process_answers[:32]
+    assert {_host_of(r.instance) for r in got} == hosts_listed  # the router used both hosts
+    updates, final = [e.update for e in events[:-1]], events[-1].final
+    assert len(updates) == final.steps and updates[-1].canvas == final.text == one_process_answers[0]
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.running.metrics_port}/metrics", timeout=10).read()
+    assert all(f'host="{h}"' in body.decode() for h in hosts_listed)
+
+
+def test_migration_between_hosts_gives_the_uninterrupted_answer(multihost):
+    _, hosts = multihost
+    cluster = hosts.cluster
+    src, dst = cluster.infos[0].name, next(i.name for i in cluster.infos if i.host != cluster.infos[0].host)
+    now = time.monotonic()
+    r = Request("move-me", tuple(range(3, 40)), 128, 16, now, now + 60)
+    handle = cluster.submit(r, instance=src)
+    t_end = time.monotonic() + 20
+    while r.committed < 16 and time.monotonic() < t_end:  # the leader's copy follows the host's commits
+        time.sleep(0.002)
+    assert 0 < r.committed < 128 and cluster.instance_of(r.id) == src
+    assert cluster.migrate(r.id, dst)
+    moved_at = len(r.steps)
+    result = handle.result(30)
+    assert result.state == RequestState.FINISHED_OK and result.instance == dst and result.moves == 1
+    assert result.tokens == letter_answer(r.prompt_tokens, 128)
+    assert r.steps[moved_at].kind == StepKind.REFRESH  # its next step on the other host rebuilt the cache
+
+
+def test_sigkill_of_a_worker_under_load_loses_nothing(multihost, one_process_answers):
+    server, hosts = multihost
+    victim_node = next(n for n, link in hosts.links.items() if link.host != hosts.cluster.infos[0].host)
+    victim = hosts.links[victim_node].host
+    pid = ray.get(hosts.actors[victim_node].pid.remote())
+    with server.client() as c, ThreadPoolExecutor(64) as pool:
+        calls = [pool.submit(c.generate, p, max_new_tokens=32, block_length=16) for p in PROMPTS]
+        t_end = time.monotonic() + 20
+        while hosts.cluster.in_flight() < 48 and time.monotonic() < t_end:
+            time.sleep(0.002)
+        os.kill(pid, signal.SIGKILL)
+        got = [f.result(60) for f in calls]
+        state = c.cluster_state()
+    assert [r.text for r in got] == one_process_answers
+    assert any(r.moves for r in got)  # some were on the killed host and moved
+    failed = [i for i in state.instances if i.state == "failed"]
+    assert {i.host for i in failed} == {victim} and len(failed) == 2 and state.serving
+    assert all(i.error for i in failed) and set(state.failures) >= {i.name for i in failed}
+    assert state.migrations["failure"] >= 1
+
+
+def test_a_worker_that_comes_back_joins_and_is_used(multihost, one_process_answers):
+    server, hosts = multihost
+    t_end = time.monotonic() + 30
+    while time.monotonic() < t_end and not (hosts.joins >= 1 and all(e.healthy for e in hosts.cluster.engines)):
+        time.sleep(0.05)
+    assert hosts.joins >= 1 and len(hosts.cluster.engines) == 4
+    with server.client() as c:
+        state = c.cluster_state()
+        with ThreadPoolExecutor(32) as pool:
+            got = list(pool.map(lambda p: c.generate(p, max_new_tokens=32, block_length=16), PROMPTS[:32]))
+    assert all(i.state == "running" for i in state.instances) and len({i.host for i in state.instances}) == 2
+    assert [r.text for r in got] == one_process_answers[:32]
+    assert len({_host_of(r.instance) for r in got}) == 2  # the new worker took requests
