@@ -31,10 +31,17 @@ class ServeCommand:
                                               "--out DIR) and swap in each new finalized step; unreadable steps are "
                                               "skipped, the old weights stay", metavar="DIR")
     watch_interval_s: float = opt(10.0, "seconds between polls of --watch-checkpoints")
+    ray_address: str | None = opt(None, "serve across the hosts of a Ray cluster: 'auto' (the one `ray start` "
+                                        "joined this machine to), HOST:PORT of its head, or 'local' (start one "
+                                        "here); one worker per node runs that host's instances with --mesh as "
+                                        "each host's layout, this process serves them all (docs/multihost.md)",
+                                  metavar="auto|HOST:PORT|local")
 
     def __post_init__(self):
         if not self.watch_interval_s > 0:
             raise ValueError(f"--watch-interval-s must be positive, got {self.watch_interval_s}")
+        if self.ray_address is not None and not self.ray_address.strip():
+            raise ValueError("--ray-address needs auto, HOST:PORT or local")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(p, ServeConfig, only=("devices", "kv_memory_gb"), group=SHARE)
     add_config_arguments(p, ServeCommand, only=("watch_checkpoints", "watch_interval_s"), group=SHARE)
     add_distributed_args(p)
+    add_config_arguments(p, ServeCommand, only=("ray_address",), group="multi-host")
     return p
 
 
@@ -93,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                               controller_config=config_from_args(ControllerConfig, args, parser))
     options = config_from_args(ServerOptions, args, parser)
     http = config_from_args(HttpOptions, args, parser)
+    if command.ray_address is not None:
+        return _serve_ray_hosts(command, config, options, http, args)
     try:
         dist = distributed_config(args)
         cpu_devices = present_cpu_devices(config.mesh, dist.num_processes if dist else 1, config.devices)
@@ -120,6 +130,48 @@ def main(argv: list[str] | None = None) -> int:
         watcher = CheckpointWatcher(cluster, directory, interval_s=command.watch_interval_s, say=log.info,
                                     after_step=served_step(cluster.model_source, directory))
     return asyncio.run(_serve(cluster, options, watcher, http))
+
+
+def _serve_ray_hosts(command: ServeCommand, config, options, http, args) -> int:
+    """The leader of a multi-host server: no JAX here; each node's worker builds its host's instances."""
+    if distributed_config(args) is not None:
+        log.error("error: --ray-address and --coordinator/--num-processes/--process-id are two ways to run on "
+                  "several hosts; pick one")
+        return 2
+    if command.watch_checkpoints:
+        log.error("error: --watch-checkpoints is not available with --ray-address (weights swap on one host only)")
+        return 2
+    try:
+        import ray
+    except ImportError:
+        log.error("error: --ray-address needs Ray: pip install 'dilaserve-jax[multihost]'")
+        return 2
+    from dilaserve_jax.mesh.spec import MeshSpec
+    from dilaserve_jax.serving.cluster.hosts.ray_hosts import RayHosts
+    from dilaserve_jax.serving.executor.hosts import ExecutorHostFactory
+    from dilaserve_jax.serving.executor.profile_cache import profile_cache_dir
+
+    try:
+        devices = MeshSpec.parse(config.mesh).num_devices
+    except ValueError as err:
+        log.error(f"error: {err}")
+        return 2
+    config = dataclasses.replace(config, profile_cache=profile_cache_dir(config.profile_cache, command.compile_cache))
+    if command.ray_address == "local":
+        ray.init(include_dashboard=False)
+    else:
+        ray.init(address=command.ray_address)
+    # only shapes the CPU platform: a host without an accelerator presents the devices the mesh needs
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    hosts = RayHosts(ExecutorHostFactory(config, command.compile_cache), env_vars={"XLA_FLAGS": flags},
+                     watchdog_s=config.step_timeout_s, say=log.info)
+    try:
+        cluster = hosts.start(step_timeout_s=None)  # each host watches its own runner calls
+        log.info(f"serving {len(cluster.infos)} instance(s) on {len(hosts.links)} host(s): {cluster.layout}")
+        return asyncio.run(_serve(cluster, options, None, http))
+    finally:
+        hosts.stop()
+        ray.shutdown()
 
 
 async def _serve(cluster, options, watcher=None, http=None) -> int:
