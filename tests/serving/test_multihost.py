@@ -138,3 +138,14 @@ def test_a_worker_that_comes_back_joins_and_is_used(multihost, one_process_answe
     assert all(i.state == "running" for i in state.instances) and len({i.host for i in state.instances}) == 2
     assert [r.text for r in got] == one_process_answers[:32]
     assert len({_host_of(r.instance) for r in got}) == 2  # the new worker took requests
+
+
+def test_leader_throughput_benchmark_measures_through_workers(multihost):
+    from dilaserve_jax.bench.multihost import MultihostBenchConfig, over_hosts
+
+    _, hosts = multihost
+    args = MultihostBenchConfig(workers=(1,), requests=40, concurrency=16, slots=4, step_us=500.0)
+    factory = FakeHostFactory(instances=1, slots=4, step_s=5e-4)
+    row = over_hosts(factory, [next(iter(hosts.links))], args, prefix="bench-")
+    assert row["requests"] == 40 and row["lost"] == 0 and row["step_reports"] >= 40 * 2
+    assert row["requests_per_s"] > 0 and row["leader_cpu_us_per_request"] > 0

@@ -51,8 +51,10 @@ def hosts_layout(engines: Sequence[RemoteEngine], infos: Sequence[InstanceInfo])
 class RayHosts:
     def __init__(self, factory: HostFactory, *, poll_wait_s: float = 0.05, join_interval_s: float = 1.0,
                  watchdog_s: float | None = None, env_vars: dict[str, str] | None = None,
-                 say: Callable[[str], None] = log.info) -> None:
-        """`env_vars`: set in every worker process before it builds anything (e.g. XLA_FLAGS)."""
+                 node_ids: Sequence[str] | None = None, say: Callable[[str], None] = log.info) -> None:
+        """`env_vars`: set in every worker process before it builds anything (e.g. XLA_FLAGS);
+        `node_ids`: the Ray nodes to serve on (default: every alive one, and any that joins)."""
+        self.node_ids = None if node_ids is None else frozenset(node_ids)
         self.factory, self.poll_wait_s, self.join_interval_s = factory, poll_wait_s, join_interval_s
         self.watchdog_s, self.env_vars, self.say = watchdog_s, dict(env_vars or {}), say
         self.links: dict[str, HostLink] = {}  # node id -> its latest link
@@ -65,7 +67,7 @@ class RayHosts:
     # --- start-up ---
     def start(self, **cluster_kw) -> Cluster:
         """Start a worker on every alive node (in parallel), then the leader's cluster over them."""
-        nodes = alive_nodes()
+        nodes = self._nodes()
         if not nodes:
             raise RuntimeError("the Ray cluster has no alive node")
         started = [(node, self._launch(node)) for node in nodes]
@@ -81,6 +83,9 @@ class RayHosts:
         self._joiner = threading.Thread(target=self._join_loop, name="ray-hosts-joiner", daemon=True)
         self._joiner.start()
         return self.cluster
+
+    def _nodes(self) -> list[dict]:
+        return [n for n in alive_nodes() if self.node_ids is None or n["NodeID"] in self.node_ids]
 
     def _launch(self, node: dict):
         import ray
@@ -123,7 +128,7 @@ class RayHosts:
     def join_new_hosts(self) -> int:
         """Start a worker on every alive node without a live one and add its instances; returns how many."""
         joined = 0
-        for node in alive_nodes():
+        for node in self._nodes():
             link = self.links.get(node["NodeID"])
             if self._stop.is_set() or (link is not None and link.lost is None):
                 continue
