@@ -170,7 +170,7 @@ def _print(report: dict, args) -> None:
         print(f"{name:<14}{r['requests_per_s']:>9.0f}{r['lost']:>6}{r['step_reports'] / r['requests']:>11.1f}"
               f"{r['leader_cpu_us_per_request']:>15.0f}{r['leader_cpu_us_per_step_report']:>16.1f}")
     x = report["extrapolation"]
-    print(f"(one process: the engines run in that process, so its CPU is theirs too, not a leader's)")
+    print("(one process: the engines run in that process, so its CPU is theirs too, not a leader's)")
     print(f"leader: {x['leader_cpu_us_per_request']:.0f} µs of CPU per request (the most measured over workers), "
           f"{x['leader_cpu_us_per_step_report']:.1f} µs per step report -> at most "
           f"{x['leader_ceiling_requests_per_s']:.0f} requests/s through one leader; over {x['hosts']} hosts that is "
