@@ -109,9 +109,12 @@ def over_hosts(factory, node_ids, args, prefix: str = "r") -> dict:
     cluster = hosts.start(step_timeout_s=None).start()
     cluster.ready = True
     try:
-        return drive(cluster, args.requests, args.concurrency, args.answer, args.block, prefix)
+        row = drive(cluster, args.requests, args.concurrency, args.answer, args.block, prefix)
     finally:
         hosts.stop()
+    for key in ("apply", "poll", "ops", "reports"):
+        row[f"{key}_calls" if key in ("apply", "poll") else key] = sum(l.calls[key] for l in hosts.links.values())
+    return row
 
 
 @returns_exit_status

@@ -89,6 +89,7 @@ class HostLink:
         self._acked = 0  # operations the host has applied
         self._stop = False
         self._threads: list[threading.Thread] = []
+        self.calls = {"apply": 0, "poll": 0, "ops": 0, "reports": 0}  # what crossed, for the benchmark
 
     def attach(self, engines: Sequence[RemoteEngine]) -> None:
         self.engines = {e.local_name: e for e in engines}
@@ -129,6 +130,8 @@ class HostLink:
                 if self._stop:
                     return
                 batch, self._outbox, last = self._outbox, [], self._seq
+            self.calls["apply"] += 1
+            self.calls["ops"] += len(batch)
             try:
                 self.transport.apply(batch)
             except HostLost as err:
@@ -152,6 +155,8 @@ class HostLink:
             except HostLost as err:
                 self._lose(err)
                 return
+            self.calls["poll"] += 1
+            self.calls["reports"] += len(reports)
             for report in reports:
                 try:
                     self.engines[report[1]].reported(report)
