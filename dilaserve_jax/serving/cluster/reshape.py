@@ -79,7 +79,8 @@ def _reconfigure(admin: ClusterAdmin, builder: InstanceBuilder, infos: Sequence[
     remove = [e for e in admin.engines if e.name not in keep]
     if not add and not remove:
         return ReshapeReport(old_text, old_text, reason, "none", keep, (), ())
-    new_text = layout_text([i.tp_degree for i in infos])
+    describe = getattr(builder, "describe", None)  # a builder over several hosts writes each host's part
+    new_text = describe(infos) if callable(describe) else layout_text([i.tp_degree for i in infos])
     compiled_before = _compile_count(builder)
     overlap = builder.overlap_fits(add)
     handoffs: list[Handoff] = []

@@ -32,4 +32,5 @@ class ExecutorHostFactory:
         enable_compile_cache(self.compile_cache)
         local = build_cluster(dataclasses.replace(self.config, controller="manual"), log.info)
         return HostBuild(local.engines, [dataclasses.replace(i, host=host) for i in local.infos], local.tokenizer,
-                         local.limits, local.policy, local.model_source, local.family, warm_up=local.warm_up)
+                         local.limits, local.policy, local.model_source, local.family, warm_up=local.warm_up,
+                         builder=local.builder)

@@ -1,20 +1,23 @@
 """A host factory over fake runners (tests, the leader-throughput benchmark): no model, no JAX.
 
-Each host gets `instances` TP-1 engines whose steps really sleep (`step_s` a reuse step, four
+Each host has `instances` fake devices and starts with one TP-1 engine on each (its builder
+reshapes them into any power-of-two layout); their steps really sleep (`step_s` a reuse step, four
 times that a refresh), emitting lower-case letters so answers decode as text. Their tokens
 depend only on the prompt and the position, so an answer is the same whichever host or how many
 hosts ran it — what lets tests check that moving requests between hosts changes nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from dilaserve_jax.core.kinds import StepKind
+from dilaserve_jax.core.layouts import instance_name, parse_layout, placements
 from dilaserve_jax.serving.cluster.builder import InstanceInfo
 from dilaserve_jax.serving.cluster.engine import Engine
-from dilaserve_jax.serving.cluster.fake_runner import FakeRunner, fake_profile
+from dilaserve_jax.serving.cluster.fake_runner import FakeRunner, fake_tp_profile
 from dilaserve_jax.serving.cluster.hosts.worker import HostBuild
 from dilaserve_jax.serving.policy.latency import LatencyModel
 from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
@@ -40,7 +43,7 @@ def letter_answer(prompt, answer_length: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class FakeHostFactory:
-    instances: int = 2
+    instances: int = 2  # devices of each host; it starts with one TP-1 instance on each
     slots: int = 4
     step_s: float = 0.002  # a reuse step; a refresh takes four times as long
     policy: str = "fcfs-static"
@@ -49,17 +52,51 @@ class FakeHostFactory:
     limits: Any = None  # the frontends' request limits
 
     def build(self, host: str) -> HostBuild:
-        latency = LatencyModel.from_profile(fake_profile())
-        step_s = self.step_s
+        builder = FakeHostBuilder(self)
+        infos = builder.plan(f"{self.instances}x1")
+        engines, _, _ = builder.build(infos, f"{self.instances}x1")
+        return HostBuild(engines, [dataclasses.replace(i, host=host) for i in infos], self.tokenizer, self.limits,
+                         self.policy, "fake", "fake", builder=builder)
+
+
+class FakeHostBuilder:
+    """The InstanceBuilder contract over a host's fake devices: any power-of-two partition of them."""
+
+    def __init__(self, factory: FakeHostFactory) -> None:
+        self.factory = factory
+        self.latency = LatencyModel.from_profile(fake_tp_profile())
+
+    def plan(self, spec: str) -> list[InstanceInfo]:
+        tps = parse_layout(spec)
+        if sum(tps) != self.factory.instances:
+            raise ValueError(f"layout {spec} does not cover this host's {self.factory.instances} devices")
+        out = []
+        for tp, first in placements(tps):
+            ids = tuple(range(first, first + tp))
+            out.append(InstanceInfo(instance_name(ids), tp, ids))
+        return out
+
+    def overlap_fits(self, add: Sequence[InstanceInfo]) -> bool:
+        return True
+
+    def build(self, add: Sequence[InstanceInfo], spec: str) -> tuple[list[Engine], int, float]:
+        f, step_s = self.factory, self.factory.step_s
 
         def step_time(kind, batch, canvas, block):
             return step_s * (4 if kind == StepKind.REFRESH else 1)
 
-        engines, infos = [], []
-        for i in range(self.instances):
-            runner = LetterFakeRunner(self.slots, real_sleep=True, step_time=step_time)
-            cfg = SchedulerConfig(num_slots=self.slots, policy=self.policy, max_queue=self.max_queue)
-            name = f"instance-{i}"
-            engines.append(Engine(runner, Scheduler(cfg, latency), clock=time.monotonic, name=name))
-            infos.append(InstanceInfo(name, 1, (i,), host))
-        return HostBuild(engines, infos, self.tokenizer, self.limits, self.policy, "fake", "fake")
+        engines = []
+        for info in add:
+            runner = LetterFakeRunner(f.slots, real_sleep=True, tp_degree=info.tp_degree, step_time=step_time)
+            cfg = SchedulerConfig(num_slots=f.slots, policy=f.policy, max_queue=f.max_queue, tp=info.tp_degree)
+            engines.append(Engine(runner, Scheduler(cfg, self.latency), clock=time.monotonic, name=info.name))
+        return engines, 0, 0.0
+
+    def prepare(self, engine: Engine) -> None:
+        pass
+
+    def release(self, names: Sequence[str]) -> None:
+        pass
+
+    def compiled_placements(self) -> frozenset[tuple[int, int]]:
+        return frozenset()

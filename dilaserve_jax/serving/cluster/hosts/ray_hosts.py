@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 from dilaserve_jax.core.layouts import layout_text
 from dilaserve_jax.serving.cluster.builder import InstanceInfo
 from dilaserve_jax.serving.cluster.cluster import Cluster
+from dilaserve_jax.serving.cluster.hosts.hosts_builder import HostsBuilder, hosts_layout
 from dilaserve_jax.serving.cluster.hosts.link import HostLink, RayTransport
 from dilaserve_jax.serving.cluster.hosts.remote_engine import RemoteEngine
 from dilaserve_jax.serving.cluster.hosts.worker import HostFactory, HostInfo, HostWorker
@@ -38,14 +39,6 @@ def alive_nodes() -> list[dict]:
 def host_name(node: dict) -> str:
     """Readable and unique: the node's address and the start of its id (one machine may run several)."""
     return f"{node['NodeManagerAddress']}-{node['NodeID'][:6]}"
-
-
-def hosts_layout(engines: Sequence[RemoteEngine], infos: Sequence[InstanceInfo]) -> str:
-    """Each host's layout, hosts joined by '|' ("2x1|2x1")."""
-    by_host: dict[str, list[int]] = {}
-    for info in infos:
-        by_host.setdefault(info.host, []).append(info.tp_degree)
-    return "|".join(layout_text(tps) for tps in by_host.values())
 
 
 class RayHosts:
@@ -75,9 +68,9 @@ class RayHosts:
         engines = [e for es, _, _ in joined for e in es]
         infos = [i for _, ins, _ in joined for i in ins]
         first: HostInfo = joined[0][2]
-        self.cluster = Cluster(engines, infos, layout=hosts_layout(engines, infos), policy=first.policy,
+        self.cluster = Cluster(engines, infos, layout=hosts_layout(infos), policy=first.policy,
                                model_source=first.model_source, tokenizer=first.tokenizer, limits=first.limits,
-                               family=first.family, **cluster_kw)
+                               family=first.family, builder=HostsBuilder(self), **cluster_kw)
         for link in self.links.values():
             link.start()
         self._joiner = threading.Thread(target=self._join_loop, name="ray-hosts-joiner", daemon=True)
@@ -140,20 +133,21 @@ class RayHosts:
         return joined
 
     def _admit(self, engines: Sequence[RemoteEngine], infos: Sequence[InstanceInfo]) -> None:
-        """Add a host's instances to the serving set; a host's failed instances of the same names
-        (its previous worker) make room for them."""
+        """Add a host's instances to the serving set, in place of that host's failed ones (its
+        previous worker's: they stay in `failures`)."""
         cluster = self.cluster
-        names = {e.name for e in engines}
+        host = infos[0].host if infos else ""
         with cluster.exclusive("host join", wait_s=60.0) as admin:
             admin.adopt(engines)
             for e in engines:
                 e.start()
-            old = [(e, i) for e, i in zip(admin.engines, cluster.infos) if i.name not in names]
+            old = [(e, i) for e, i in zip(admin.engines, cluster.infos) if i.host != host]
+            gone = [i.name for e, i in zip(admin.engines, cluster.infos) if i.host == host]
             all_engines = [e for e, _ in old] + list(engines)
             all_infos = [i for _, i in old] + list(infos)
-            admin.install(all_engines, all_infos, hosts_layout(all_engines, all_infos))
-            admin.forget(sorted(names))
-        self.say(f"host {infos[0].host if infos else '?'} joined: now serving {cluster.layout}")
+            admin.install(all_engines, all_infos, hosts_layout(all_infos))
+            admin.forget(gone)
+        self.say(f"host {host} joined: now serving {cluster.layout}")
 
     # --- shutdown ---
     def stop(self) -> None:

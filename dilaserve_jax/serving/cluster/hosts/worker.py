@@ -21,6 +21,7 @@ the JAX executor when serving (serving/executor/hosts.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Protocol, Sequence
 
-from dilaserve_jax.serving.cluster.builder import InstanceInfo
+from dilaserve_jax.serving.cluster.builder import InstanceBuilder, InstanceInfo
 from dilaserve_jax.serving.cluster.engine import Engine
 from dilaserve_jax.serving.cluster.engine_types import EngineUnavailable, Handoff, StepProgress
 from dilaserve_jax.serving.policy.request import Request
@@ -54,6 +55,7 @@ class HostBuild:
     model_source: str = ""
     family: str = ""
     warm_up: Callable[[], None] | None = None  # after the engines started: compile and warm them
+    builder: InstanceBuilder | None = None  # reshapes this host's layout (None: it is fixed)
 
 
 class HostFactory(Protocol):
@@ -89,8 +91,9 @@ class HostWorker:
     def __init__(self, host: str, factory: HostFactory, watchdog_s: float | None = None) -> None:
         self.host = host
         built = factory.build(host)
-        self.engines = {e.name: e for e in built.engines}
+        self.engines = {e.name: e for e in built.engines}  # replaced whole on reshaping (the poller reads it)
         self._built = built
+        self._offset_s = 0.0
         self._cv = threading.Condition()
         self._reports: list[tuple] = []
         for e in built.engines:
@@ -116,8 +119,42 @@ class HostWorker:
     def set_clock_offset(self, offset_s: float) -> None:
         """Run the engines on the leader's clock (this host's monotonic clock + `offset_s`): request
         arrivals and deadlines come from the leader, and monotonic clocks differ between machines."""
+        self._offset_s = offset_s
         for e in self.engines.values():
             e.clock = partial(_shifted, offset_s)
+
+    # --- reshaping this host (the leader's reconfiguration drives it, see hosts_builder.py) ---
+    def plan(self, spec: str) -> list[InstanceInfo]:
+        return [dataclasses.replace(i, host=self.host) for i in self._builder().plan(spec)]
+
+    def overlap_fits(self, add: Sequence[InstanceInfo]) -> bool:
+        return self._builder().overlap_fits(add)
+
+    def build(self, add: Sequence[InstanceInfo], spec: str) -> tuple[dict, int, float]:
+        """Build, start and warm the new instances (weights resharded on this host's devices);
+        returns their first snapshots by name, the bytes moved and the reshard seconds."""
+        builder = self._builder()
+        engines, moved, reshard_s = builder.build(add, spec)
+        for e in engines:
+            e.on_failure = self._instance_failed
+            e.clock = partial(_shifted, self._offset_s)
+            e.start()
+            builder.prepare(e)
+        self.engines = {**self.engines, **{e.name: e for e in engines}}
+        return {e.name: e.snapshot() for e in engines}, moved, reshard_s
+
+    def release(self, names: Sequence[str]) -> None:
+        """Stop removed instances (emptied by the leader's hand-over) and drop their weights."""
+        gone = [self.engines[n] for n in names if n in self.engines]
+        self.engines = {n: e for n, e in self.engines.items() if n not in set(names)}
+        for e in gone:
+            e.stop(5.0)
+        self._builder().release(names)
+
+    def _builder(self) -> InstanceBuilder:
+        if self._built.builder is None:
+            raise ValueError(f"host {self.host} cannot reshape its layout")
+        return self._built.builder
 
     # --- from the leader ---
     def apply(self, ops: Sequence[tuple]) -> int:
@@ -148,7 +185,7 @@ class HostWorker:
                     break
                 self._cv.wait(left)
             reports, self._reports = self._reports, []
-        return reports, {name: e.snapshot() for name, e in self.engines.items()}
+        return reports, {name: e.snapshot() for name, e in self.engines.items()}  # (a reshape swaps the dict whole)
 
     def stop(self) -> None:
         self._stop.set()
