@@ -58,11 +58,16 @@ class SoakConfig:
     reload: bool = opt(True, "reload the weights midway")
     seed: int = opt(0, "prompt, cancellation and malformation seed")
     compile_cache: str = opt(DEFAULT_COMPILE_CACHE, "persistent XLA compilation cache ('none' disables)")
+    ray_workers: int = opt(0, "serve over this many worker processes (local Ray nodes, --mesh each) as "
+                              "`serve --ray-address` does; the fault midway is then a SIGKILL of the last "
+                              "worker, and there is no reload (not carried across hosts)")
     json: bool = opt(False, "print the report as one JSON object")
 
     def __post_init__(self):
         if self.requests < 1 or self.concurrency < 1 or not 0 <= self.cancel_rate < 1 or not 0 <= self.bad_rate < 1:
             raise ValueError("need requests, concurrency >= 1 and rates in [0, 1)")
+        if self.ray_workers < 0:
+            raise ValueError("--ray-workers must be >= 0")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,8 +114,9 @@ async def _soak(args) -> int:
     model = load_model("tiny")
     save_model_config(root / "tiny-copy", model.config)
     save_params(root / "tiny-copy", 1, model.params)
-    cluster = build_cluster(ServeConfig(mesh=args.mesh, slots=args.slots, profile=args.profile,
-                                        controller=args.controller), log.info)
+    serve_config = ServeConfig(mesh=args.mesh, slots=args.slots, profile=args.profile, controller=args.controller)
+    hosts = _RayWorkers(args, serve_config) if args.ray_workers else None
+    cluster = hosts.cluster if hosts is not None else build_cluster(serve_config, log.info)
     server = await start_server(cluster, ServerOptions(port=0, metrics_port=None, weights_roots=(str(root),)))
     cluster.start()
     await asyncio.to_thread(cluster.warm_up)
@@ -167,6 +173,9 @@ async def _soak(args) -> int:
     async def faults() -> None:
         while bar.n < args.requests // 2:
             await asyncio.sleep(0.05)
+        if hosts is not None:
+            events.append(f"SIGKILLed the worker of host {hosts.kill_last()} at call {bar.n}")
+            return
         if args.reload:
             t = time.perf_counter()
             reply = await stub.ReloadWeights(pb.ReloadWeightsRequest(directory=str(root / "tiny-copy")), timeout=600)
@@ -192,6 +201,8 @@ async def _soak(args) -> int:
     await channel.close()
     await server.drain_and_stop(5.0)
     cluster.stop()
+    if hosts is not None:
+        hosts.stop()
     shutil.rmtree(root, ignore_errors=True)
 
     lost = sum(n for code, n in outcomes.items() if code not in BY_DESIGN and code != "OK")
@@ -218,6 +229,46 @@ async def _soak(args) -> int:
             print("lost calls by status: " + ", ".join(f"{k}: {v}" for k, v in outcomes.items()
                                                        if k not in BY_DESIGN and k != "OK"))
     return 1 if lost else 0
+
+
+class _RayWorkers:
+    """A local Ray cluster of `ray_workers` nodes, one serving worker on each (bench only)."""
+
+    def __init__(self, args, serve_config) -> None:
+        import ray
+        from ray.cluster_utils import Cluster as RayCluster
+
+        from dilaserve_jax.mesh.spec import MeshSpec
+        from dilaserve_jax.serving.cluster.hosts.ray_hosts import RayHosts
+        from dilaserve_jax.serving.executor.hosts import ExecutorHostFactory
+
+        self.nodes = RayCluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                                      "object_store_memory": 200 * 2**20})
+        for _ in range(args.ray_workers - 1):
+            self.nodes.add_node(num_cpus=1, object_store_memory=200 * 2**20)
+        ray.init(address=self.nodes.address, log_to_driver=False)
+        devices = MeshSpec.parse(args.mesh).num_devices
+        self.hosts = RayHosts(ExecutorHostFactory(serve_config, args.compile_cache), say=log.info,
+                              env_vars={"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+        log.info(f"soak: starting {args.ray_workers} worker process(es), each compiling {args.mesh}")
+        self.cluster = self.hosts.start(step_timeout_s=None)
+
+    def kill_last(self) -> str:
+        import os
+        import signal
+
+        import ray
+
+        node = list(self.hosts.links)[-1]
+        os.kill(ray.get(self.hosts.actors[node].pid.remote()), signal.SIGKILL)
+        return self.hosts.links[node].host
+
+    def stop(self) -> None:
+        import ray
+
+        self.hosts.stop()
+        ray.shutdown()
+        self.nodes.shutdown()
 
 
 async def _await(call):
