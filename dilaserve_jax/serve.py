@@ -168,6 +168,9 @@ def _serve_ray_hosts(command: ServeCommand, config, options, http, args) -> int:
     try:
         cluster = hosts.start(step_timeout_s=None)  # each host watches its own runner calls
         log.info(f"serving {len(cluster.infos)} instance(s) on {len(hosts.links)} host(s): {cluster.layout}")
+        if config.controller != "manual":
+            log.info("controller: manual across hosts (it does not choose layouts over several hosts yet); "
+                     "Reconfigure takes one layout per host, joined by '|'")
         return asyncio.run(_serve(cluster, options, None, http))
     finally:
         hosts.stop()
