@@ -4,9 +4,9 @@ carries, and what each one costs it.
 Starts a local Ray cluster of as many nodes as the most workers asked for (all on this machine),
 then for each worker count serves N requests through the leader's cluster (router, request
 table, one link per host) over fake-runner hosts whose steps are short, so the leader is what
-limits. It measures requests/s and the leader process's CPU time per request and per step report
-(every step of every request is reported to the leader), and the same requests over the same
-fake engines in one process, for reference. From the leader's CPU per request it extrapolates
+limits. It measures requests/s and the leader process's CPU time per request and per report
+(the workers report a request's commits at every block's end, every step when it streams), and
+the same requests over the same fake engines in one process, for reference. From the leader's CPU per request it extrapolates
 how many requests/s a 64-host system could send through one leader. It prints what it measured;
 nothing here is a pass/fail threshold.
 """
@@ -36,6 +36,7 @@ class MultihostBenchConfig:
     step_us: float = opt(200.0, "fake reuse step in µs (a refresh takes four times as long)")
     answer: int = opt(32, "answer tokens per request")
     block: int = opt(16, "block length")
+    stream: bool = opt(False, "every call follows every step, as a streaming caller does (a report per step)")
     hosts_at_scale: int = opt(64, "host count to extrapolate to")
     json: bool = opt(False, "print the report as one JSON object")
 
@@ -52,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     return add_config_arguments(p, MultihostBenchConfig)
 
 
-def drive(cluster, requests: int, concurrency: int, answer: int, block: int, prefix: str = "r") -> dict:
+def drive(cluster, requests: int, concurrency: int, answer: int, block: int, prefix: str = "r",
+          stream: bool = False) -> dict:
     """Send `requests` through `cluster.submit`, `concurrency` at a time; what it took and cost."""
     from dilaserve_jax.serving.cluster.hosts.fake_hosts import letter_answer
     from dilaserve_jax.serving.policy.request import Request, RequestState
@@ -78,14 +80,15 @@ def drive(cluster, requests: int, concurrency: int, answer: int, block: int, pre
         gate.acquire()
         now = time.monotonic()
         prompt = tuple(range(3, 11 + i % 7))
-        handle = cluster.submit(Request(f"{prefix}{i}", prompt, answer, block, now, now + 600.0))
+        handle = cluster.submit(Request(f"{prefix}{i}", prompt, answer, block, now, now + 600.0),
+                                on_progress=(lambda _p: None) if stream else None)
         handle.future.add_done_callback(lambda f, p=prompt: finished(f, p))
     all_done.wait()
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     steps = sum(s for _, s in results)
     return {"requests": requests, "lost": sum(1 for ok, _ in results if not ok), "seconds": wall,
             "requests_per_s": requests / wall, "leader_cpu_us_per_request": 1e6 * cpu / requests,
-            "step_reports": steps, "leader_cpu_us_per_step_report": 1e6 * cpu / max(1, steps)}
+            "steps": steps}
 
 
 def _one_process(factory, args) -> dict:
@@ -96,7 +99,7 @@ def _one_process(factory, args) -> dict:
                       tokenizer=None, limits=None, step_timeout_s=None).start()
     cluster.ready = True
     try:
-        return drive(cluster, args.requests, args.concurrency, args.answer, args.block)
+        return drive(cluster, args.requests, args.concurrency, args.answer, args.block, stream=args.stream)
     finally:
         cluster.stop()
 
@@ -109,11 +112,12 @@ def over_hosts(factory, node_ids, args, prefix: str = "r") -> dict:
     cluster = hosts.start(step_timeout_s=None).start()
     cluster.ready = True
     try:
-        row = drive(cluster, args.requests, args.concurrency, args.answer, args.block, prefix)
+        row = drive(cluster, args.requests, args.concurrency, args.answer, args.block, prefix, args.stream)
     finally:
         hosts.stop()
     for key in ("apply", "poll", "ops", "reports"):
         row[f"{key}_calls" if key in ("apply", "poll") else key] = sum(l.calls[key] for l in hosts.links.values())
+    row["leader_cpu_us_per_report"] = row["leader_cpu_us_per_request"] * row["requests"] / max(1, row["reports"])
     return row
 
 
@@ -158,24 +162,28 @@ def _extrapolate(rows: dict, args) -> dict:
     one interpreter lock), and what that leaves each of `hosts_at_scale` hosts."""
     remote = [r for name, r in rows.items() if name != "one process"]
     per_request = max(r["leader_cpu_us_per_request"] for r in remote)
-    per_step = max(r["leader_cpu_us_per_step_report"] for r in remote)
+    per_report = max(r["leader_cpu_us_per_report"] for r in remote)
     ceiling = 1e6 / per_request
-    return {"leader_cpu_us_per_request": per_request, "leader_cpu_us_per_step_report": per_step,
+    return {"leader_cpu_us_per_request": per_request, "leader_cpu_us_per_report": per_report,
             "leader_ceiling_requests_per_s": ceiling, "hosts": args.hosts_at_scale,
             "per_host_requests_per_s_at_ceiling": ceiling / args.hosts_at_scale}
 
 
 def _print(report: dict, args) -> None:
-    print(f"{args.requests} requests of {args.answer} tokens, {args.concurrency} in flight; "
+    print(f"{args.requests} {'streaming ' if args.stream else ''}requests of {args.answer} tokens, "
+          f"{args.concurrency} in flight; "
           f"{args.instances} fake instance(s) x {args.slots} slots per host, {args.step_us:g} µs reuse steps")
-    print(f"{'':<14}{'req/s':>9}{'lost':>6}{'steps/req':>11}{'leader µs/req':>15}{'µs/step report':>16}")
+    print(f"{'':<14}{'req/s':>9}{'lost':>6}{'steps/req':>11}{'reports/req':>13}{'leader µs/req':>15}"
+          f"{'µs/report':>11}")
     for name, r in report["rows"].items():
-        print(f"{name:<14}{r['requests_per_s']:>9.0f}{r['lost']:>6}{r['step_reports'] / r['requests']:>11.1f}"
-              f"{r['leader_cpu_us_per_request']:>15.0f}{r['leader_cpu_us_per_step_report']:>16.1f}")
+        reports = f"{r['reports'] / r['requests']:.1f}" if "reports" in r else "-"
+        per_report = f"{r['leader_cpu_us_per_report']:.1f}" if "reports" in r else "-"
+        print(f"{name:<14}{r['requests_per_s']:>9.0f}{r['lost']:>6}{r['steps'] / r['requests']:>11.1f}{reports:>13}"
+              f"{r['leader_cpu_us_per_request']:>15.0f}{per_report:>11}")
     x = report["extrapolation"]
     print("(one process: the engines run in that process, so its CPU is theirs too, not a leader's)")
     print(f"leader: {x['leader_cpu_us_per_request']:.0f} µs of CPU per request (the most measured over workers), "
-          f"{x['leader_cpu_us_per_step_report']:.1f} µs per step report -> at most "
+          f"{x['leader_cpu_us_per_report']:.1f} µs per report -> at most "
           f"{x['leader_ceiling_requests_per_s']:.0f} requests/s through one leader; over {x['hosts']} hosts that is "
           f"{x['per_host_requests_per_s_at_ceiling']:.1f} requests/s per host before the leader is the bottleneck")
 

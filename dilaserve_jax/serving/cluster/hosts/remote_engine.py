@@ -2,7 +2,7 @@
 `Engine` (submit, abort, hand_over, snapshot, state, fail), carried over a `HostLink`.
 
 It keeps a copy of every request it was given, brought up to date by the worker's step reports
-(host state, step record, committed tokens). That copy is what moves: a hand-over returns the
+(host state, step records, committed tokens; every step for a streaming caller, else every block). That copy is what moves: a hand-over returns the
 worker's own, fresher state; when the host is lost, the copies go to the survivors as they stood
 at the last report, and their next step there is a refresh. So routing, migration, re-queueing
 and reconfiguration run the cluster's own code over local and remote engines alike.
@@ -59,7 +59,7 @@ class RemoteEngine:
             if request.id in self._copies:
                 raise ValueError(f"duplicate request id {request.id!r}")
             self._copies[request.id] = (request, fut, on_progress)
-            seq = self.link.send(("add", self.local_name, request, speed_ratio, work))
+            seq = self.link.send(("add", self.local_name, request, speed_ratio, work, on_progress is not None))
             self._pending[request.id] = (work, seq)
         return RequestHandle(request.id, fut, lambda: self.name, lambda: self.abort(request.id))
 
@@ -173,7 +173,7 @@ class RemoteEngine:
     def reported(self, report: tuple) -> None:
         kind = report[0]
         if kind == "step":
-            _, _, rid, state, record, progress = report
+            _, _, rid, state, records, positions, tokens, progress = report
             with self._lock:
                 entry = self._copies.get(rid)
                 self._pending.pop(rid, None)
@@ -182,11 +182,11 @@ class RemoteEngine:
             req, _, cb = entry
             for f, v in zip(HOST_STATE_FIELDS, state):
                 setattr(req, f, v)
-            req.steps.append(record)
-            for p, t in zip(progress.positions, progress.tokens):
+            req.steps.extend(records)
+            for p, t in zip(positions, tokens):
                 if 0 <= p < req.answer_length:
                     req.answer[p] = int(t)
-            if cb is not None:
+            if cb is not None and progress is not None:
                 try:
                     cb(dataclasses.replace(progress, instance=self.name))
                 except Exception:  # a caller's callback must not stop the host's reports

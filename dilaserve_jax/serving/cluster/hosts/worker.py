@@ -5,16 +5,18 @@ and owns the engines of that host's devices and takes operations from the leader
 batches (`apply`): add a request, abort one, hand some over. What happens on the engines comes
 back through one ordered report buffer that the leader drains with `poll`:
 
-  ("step", instance, request id, host state, progress)   after every step of every request
+  ("step", instance, request id, host state, step records, positions, tokens, progress)
   ("done", instance, request id, result)                 a request finished
   ("handed", instance, token, [(request, speed ratio)])  a hand-over the leader asked for
   ("failed", instance, fault, [(request, speed ratio)])  an instance failed; its requests
 
-Every step is reported (batched per poll): the leader then holds each request's committed canvas
-as of the last poll, so when this process dies it re-queues them from there, losing at most the
-steps of one poll interval, and streams get every step. The reports are appended on the engine
-threads in step order, so a request's steps always reach the leader before its result or its
-hand-over.
+How often a request's commits are reported: after every step when its caller streams (the
+report carries the step's progress for the stream), else at the end of every block (the records
+and committed tokens of the block's steps in one report). The leader then holds each request's
+canvas as of its last finished block at worst, so when this process dies it re-queues them from
+there and repeats at most one block's steps, at a fraction of the reports. The reports are
+appended on the engine threads in step order, so a request's steps always reach the leader
+before its result or its hand-over.
 
 Pure Python (no Ray, no JAX): the engines come from a `HostFactory`, fake runners in tests and
 the JAX executor when serving (serving/executor/hosts.py).
@@ -27,7 +29,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Protocol, Sequence
 
@@ -77,6 +79,16 @@ class HostInfo:
     policy: str
     model_source: str
     family: str
+
+
+@dataclass(slots=True)
+class _Unsent:
+    """A request's commits since its last step report (engine thread only)."""
+
+    stream: bool  # its caller follows every step
+    steps_sent: int  # step records the leader has
+    positions: list = field(default_factory=list)
+    tokens: list = field(default_factory=list)
 
 
 def _shifted(offset_s: float) -> float:
@@ -163,8 +175,8 @@ class HostWorker:
             kind, name = op[0], op[1]
             engine = self.engines[name]
             if kind == "add":
-                _, _, request, speed_ratio, own_seconds = op
-                self._add(engine, request, speed_ratio, own_seconds)
+                _, _, request, speed_ratio, own_seconds, stream = op
+                self._add(engine, request, speed_ratio, own_seconds, stream)
             elif kind == "abort":
                 engine.abort(op[2])
             elif kind == "hand_over":
@@ -198,19 +210,30 @@ class HostWorker:
                 log.warning("engine %s did not stop", e.name)
 
     # --- engine threads ---
-    def _add(self, engine: Engine, request: Request, speed_ratio, own_seconds) -> None:
+    def _add(self, engine: Engine, request: Request, speed_ratio, own_seconds, stream: bool) -> None:
         fut: Future = Future()
+        unsent = _Unsent(stream, len(request.steps))
         try:
-            engine.submit(request, partial(self._stepped, engine.name, request), future=fut,
+            engine.submit(request, partial(self._stepped, engine.name, request, unsent), future=fut,
                           speed_ratio=speed_ratio, own_seconds=own_seconds)
         except EngineUnavailable as err:  # failed meanwhile: the leader moves it with the others
             self._report(("failed", engine.name, f"{type(err).__name__}: {err}", [(request, speed_ratio)]))
             return
         fut.add_done_callback(partial(self._finished, engine.name, request.id))
 
-    def _stepped(self, name: str, request: Request, progress: StepProgress) -> None:
+    def _stepped(self, name: str, request: Request, unsent: "_Unsent", progress: StepProgress) -> None:
         # on the engine thread, right after the step was recorded: the request is ours to read
-        self._report(("step", name, request.id, host_state(request), request.steps[-1], progress))
+        unsent.positions.extend(progress.positions)
+        unsent.tokens.extend(progress.tokens)
+        if not unsent.stream and request.block_committed:  # mid-block: the block's end reports it
+            return
+        records = tuple(request.steps[unsent.steps_sent:])
+        unsent.steps_sent = len(request.steps)
+        positions, tokens = tuple(unsent.positions), tuple(unsent.tokens)
+        unsent.positions.clear()
+        unsent.tokens.clear()
+        self._report(("step", name, request.id, host_state(request), records, positions, tokens,
+                      progress if unsent.stream else None))
 
     def _finished(self, name: str, request_id: str, fut: Future) -> None:
         if fut.cancelled() or fut.exception() is not None:
