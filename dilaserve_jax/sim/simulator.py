@@ -20,8 +20,8 @@ import numpy as np
 from dilaserve_jax.core.cli import opt, or_none, words
 from dilaserve_jax.core.layouts import binary_partitions, layout_text, parse_layout
 from dilaserve_jax.serving.cluster.autoscale import Autoscaler
-from dilaserve_jax.serving.policy.capacity import RequestShape
 from dilaserve_jax.serving.cluster.builder import InstanceInfo
+from dilaserve_jax.serving.policy.capacity import RequestShape, StepShapes
 from dilaserve_jax.serving.policy.controller import ClusterController, ControllerConfig
 from dilaserve_jax.serving.cluster.engine import Engine
 from dilaserve_jax.serving.cluster.engine_types import RequestResult
@@ -186,7 +186,9 @@ class Simulation:
         tps = sorted({t for lay in layouts for t in lay})
         return ClusterController(ccfg, num_devices=self.cfg.devices, tp_degrees=tps, latency=self.latency,
                                  slots=self.cfg.slots, param_bytes=int(self.param_bytes), layouts=list(layouts),
-                                 tau_floor=self.cfg.tau_min, prior=self.prior)
+                                 tau_floor=self.cfg.tau_min, prior=self.prior,
+                                 shapes=StepShapes(getattr(self.step_time, "length_buckets", ()),
+                                                   getattr(self.step_time, "batch_buckets", ())))
 
     def initial_layout(self) -> str:
         cfg = self.cfg

@@ -4,12 +4,13 @@ The controller asks this for every candidate layout, so it is built to be cheap 
 numpy; no JAX):
 
 1. Per TP degree, once per decision, `instance_curves` tabulates one instance's steady state over a
-   grid of arrival rates λ: the batch it settles at (Little's law, b = λ · T(b)), the system τ its
-   load control holds (the highest τ whose capacity keeps utilisation under a target), the
-   queueing wait (M/M/c with c = slots, Erlang C), and, for a sample of recent requests, each one's
-   τ (the highest under the system cap that meets its deadline) and whether it meets its deadline.
-   Request times come from the latency model (refresh and reuse steps costed separately, per TP
-   degree) and the τ -> tokens/step estimate.
+   grid of arrival rates λ as a birth-death chain on the requests in time it holds: with n there,
+   min(n, slots) run and finish at the rate their service times at that batch give; an arrival
+   takes the highest τ in its range that meets its deadline after the departures ahead of it, or
+   misses (it runs late, at its floor, behind the others). Service times come from the latency
+   model (refresh and reuse steps apart, per TP degree, each round priced as the decoder runs a
+   batch of the sampled shapes: one padded step per length bucket present, `round_times`) and
+   the τ -> tokens/step estimate.
 2. `evaluate_layouts` splits the load over the instances of each candidate as the router does (it
    sends each request to the earliest predicted finish, so in steady state instances run at equal
    latency: water-filling on the latency curves) and reads off attainment, mean latency and mean
@@ -22,8 +23,9 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from dilaserve_jax.serving.policy.latency import LatencyModel
+from dilaserve_jax.core.buckets import padded
 from dilaserve_jax.core.kinds import StepKind
+from dilaserve_jax.serving.policy.latency import LatencyModel
 
 RATE_POINTS = 48
 
@@ -56,42 +58,94 @@ class Curves:
     capacity: float  # req/s at full batch and the lowest τ allowed
 
 
+@dataclass(frozen=True, slots=True)
+class StepShapes:
+    """How the decoder runs one step over a batch, so a round is priced as it runs: one compiled
+    step per (length bucket, block) group present, each group's batch padded up to a batch
+    bucket; without length buckets, one step over the whole batch at its longest canvas."""
+
+    length_buckets: tuple[int, ...] = ()
+    batch_buckets: tuple[int, ...] = ()
+    draws: int = 32  # random batch compositions averaged per batch size (fixed seed: deterministic)
+
+
+def round_times(latency: LatencyModel, kind: StepKind, tp: int, sample: Sequence[RequestShape], slots: int,
+                shapes: StepShapes | None = None) -> np.ndarray:
+    """Seconds of the round that gives each sampled request one step while b requests share the
+    instance, the other b - 1 drawn from the sample: [b = 1..slots, request]. With `shapes`, the
+    round is the sum of its groups' steps; without, one batch of b at the request's own canvas."""
+    canvas = np.array([r.canvas for r in sample], dtype=np.int64)
+    block = np.array([r.block_len for r in sample], dtype=np.int64)
+    b = np.arange(1, slots + 1)
+    if shapes is None:
+        return latency.round_many(kind, b[:, None], canvas[None, :], block[None, :], tp)
+    pad_b = np.array([padded(int(n), shapes.batch_buckets) for n in range(slots + 1)])
+    rng = np.random.default_rng(0)
+    out = np.empty((slots, len(sample)))
+    if shapes.length_buckets:
+        keys = [(padded(int(c), shapes.length_buckets), int(k)) for c, k in zip(canvas, block)]
+        groups = sorted(set(keys))
+        g_of = np.array([groups.index(k) for k in keys])
+        # table[g, n]: one step of n requests of group g (n = 0: no step)
+        lens = np.array([g[0] for g in groups])[:, None]
+        blks = np.array([g[1] for g in groups])[:, None]
+        table = np.zeros((len(groups), slots + 1))
+        table[:, 1:] = latency.round_many(kind, pad_b[None, 1:], lens, blks, tp)
+        for i, n in enumerate(b):
+            others = rng.integers(len(sample), size=(shapes.draws, n - 1))
+            counts = np.zeros((shapes.draws, len(groups)), dtype=np.int64)
+            np.add.at(counts, (np.arange(shapes.draws)[:, None], g_of[others]), 1)
+            base = np.take_along_axis(table[None, :, :], counts[:, :, None], axis=2)[:, :, 0].sum(axis=1)  # [R]
+            own = counts[:, g_of]  # [R, J] others in each request's own group
+            t = base[:, None] - table[g_of[None, :], own] + table[g_of[None, :], own + 1]
+            out[i] = t.mean(axis=0)
+        return out
+    # one step at the longest canvas of the batch (and its block)
+    table = latency.round_many(kind, pad_b[1:, None], canvas[None, :], block[None, :], tp)  # [B, J]
+    for i, n in enumerate(b):
+        others = rng.integers(len(sample), size=(shapes.draws, n - 1))
+        longest = others[np.arange(shapes.draws), canvas[others].argmax(axis=1)] if n > 1 else None
+        idx = np.broadcast_to(np.arange(len(sample)), (shapes.draws, len(sample)))
+        if longest is not None:
+            idx = np.where(canvas[None, :] >= canvas[longest][:, None], idx, longest[:, None])
+        out[i] = table[i][idx].mean(axis=0)
+    return out
+
+
 def service_times(latency: LatencyModel, tp: int, sample: Sequence[RequestShape], slots: int,
-                  taus: np.ndarray, rates: np.ndarray) -> np.ndarray:
+                  taus: np.ndarray, rates: np.ndarray, shapes: StepShapes | None = None) -> np.ndarray:
     """Seconds to serve each sampled request among b concurrent ones, at each τ: [b = 1..slots, τ, request]
-    (each round one batch of b, or its cheapest split where the measured profile says so)."""
-    canvas = np.array([r.canvas for r in sample], dtype=np.float64)
+    (each round priced by `round_times`)."""
     block = np.array([r.block_len for r in sample], dtype=np.float64)
     blocks = np.array([r.answer_len // r.block_len for r in sample], dtype=np.float64)
-    b = np.arange(1, slots + 1, dtype=np.float64)[:, None]
-    t_ref = latency.round_many(StepKind.REFRESH, b, canvas[None, :], block[None, :], tp)  # [B, J]
-    t_reu = latency.round_many(StepKind.REUSE, b, canvas[None, :], block[None, :], tp)
+    t_ref = round_times(latency, StepKind.REFRESH, tp, sample, slots, shapes)  # [B, J]
+    t_reu = round_times(latency, StepKind.REUSE, tp, sample, slots, shapes)
     per_block = np.maximum(1.0, np.ceil(block[None, :] / np.maximum(1.0, rates[:, None])))  # [T, J]
     n_ref = np.broadcast_to(blocks[None, :], per_block.shape)
     n_reu = blocks[None, :] * per_block - n_ref
     return n_ref[None] * t_ref[:, None, :] + n_reu[None] * t_reu[:, None, :]
 
 
-def _erlang_c(servers: int, offered: np.ndarray) -> np.ndarray:
-    """P(wait > 0) in M/M/c with c = servers and offered load a = λ·T (vectorised over a < c)."""
-    a = np.asarray(offered, dtype=np.float64)
-    # Erlang B by its recursion (stable), then C = B / (1 - ρ (1 - B))
-    blocking = np.ones_like(a)
-    for k in range(1, servers + 1):
-        blocking = a * blocking / (k + a * blocking)
-    rho = a / servers
-    return np.clip(blocking / np.maximum(1e-12, 1.0 - rho * (1.0 - blocking)), 0.0, 1.0)
-
-
 def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShape], slots: int,
                     taus: Sequence[float], tokens_per_step: Sequence[float], *, tau_floor: float,
-                    target_utilisation: float = 0.85) -> Curves:
-    """Tabulate one TP-`tp` instance over arrival rates up to twice its capacity (see module doc)."""
+                    target_utilisation: float = 0.85, shapes: StepShapes | None = None,
+                    max_states: int = 1024) -> Curves:
+    """Tabulate one TP-`tp` instance over arrival rates up to twice its capacity (see module doc).
+
+    The instance is a birth-death chain on the requests in time it holds (n): with n present,
+    b = min(n, slots) run, and they finish at rate b / (their mean service time at batch b). An
+    arrival that finds n picks, as the threshold controller does, the highest τ in its range that
+    meets its deadline after the n - slots + 1 departures ahead of it (at full batch and that τ)
+    plus its own time at batch min(n + 1, slots); one that cannot meet it even at its floor is a
+    miss and does not join: it runs at its floor on spare capacity, behind the requests in time
+    (a late request waits unplanned). Attainment, latency and τ are the arrival-weighted means
+    over the chain's stationary distribution at each rate. `target_utilisation` is unused (the
+    chain finds where τ must drop)."""
     if not sample:
         raise ValueError("need at least one sampled request")
     taus_arr = np.asarray(taus, dtype=np.float64)  # descending
     rates_arr = np.asarray(tokens_per_step, dtype=np.float64)
-    times = service_times(latency, tp, sample, slots, taus_arr, rates_arr)  # [B, T, J]
+    times = service_times(latency, tp, sample, slots, taus_arr, rates_arr, shapes)  # [B, T, J]
     mean_t = times.mean(axis=2)  # [B, T]
     tau_min = np.array([r.tau_min for r in sample])
     tau_max = np.array([r.tau_max for r in sample])
@@ -101,41 +155,55 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
     capacity = slots / mean_t[slots - 1, lowest]
     rates = np.concatenate([[0.0], np.geomspace(capacity / 200, 2 * capacity, RATE_POINTS - 1)])
 
-    # system τ: the highest allowed τ whose full-batch capacity keeps utilisation under the target
-    util = rates[:, None] * mean_t[slots - 1][None, :] / slots  # [R, T]
-    ok = (util <= target_utilisation) & allowed[None, :]
-    sys_idx = np.where(ok.any(axis=1), ok.argmax(axis=1), lowest)  # first (highest) τ that is ok
-    t_sys = mean_t[:, sys_idx].T  # [R, B] per-request time at the system τ, by batch
-    batch = np.ones(len(rates))
-    for _ in range(12):  # Little's law fixed point, b in [1, slots]
-        idx = np.clip(np.round(batch).astype(int) - 1, 0, slots - 1)
-        batch = np.clip(rates * t_sys[np.arange(len(rates)), idx], 1.0, slots)
-    b_idx = np.clip(np.round(batch).astype(int) - 1, 0, slots - 1)
-    t_full = mean_t[slots - 1, sys_idx]
-    rho = rates * t_full / slots
-    under = rho < 1.0
-    c_wait = np.where(under, _erlang_c(slots, np.minimum(rates * t_full, slots * 0.999)), 1.0)
-    decay = np.where(under, slots * (1.0 - rho) / t_full, 0.0)  # P(W > x) = C exp(-decay x)
-    mean_wait = np.where(under, c_wait / np.maximum(decay, 1e-12), np.inf)
-
-    # each sampled request's τ: the highest in its range, under the system cap, that meets its
-    # deadline at the mean wait; else the lowest of its range. Attainment: P(wait <= slo - own time)
-    own = times[b_idx]  # [R, T, J]
-    low = np.minimum(np.maximum(tau_min, tau_floor), tau_max)  # [J] its effective floor
+    low = np.minimum(np.maximum(tau_min, tau_floor), tau_max)  # [J] each request's effective floor
     allowed_j = (taus_arr[:, None] <= tau_max[None, :] + 1e-9) & (taus_arr[:, None] >= low[None, :] - 1e-9)  # [T, J]
     floor_idx = len(taus_arr) - 1 - np.argmax(allowed_j[::-1, :], axis=0)  # [J] lowest allowed τ
-    capped = allowed_j[None, :, :] & (taus_arr[None, :, None] <= taus_arr[sys_idx][:, None, None] + 1e-9)
-    wait = np.where(np.isfinite(mean_wait), mean_wait, 0.0)[:, None, None]
-    fits = capped & (own + wait <= slo[None, None, :])
-    chosen = np.where(fits.any(axis=1), fits.argmax(axis=1), floor_idx[None, :])  # [R, J]
-    own_t = np.take_along_axis(own, chosen[:, None, :], axis=1)[:, 0, :]  # [R, J]
-    slack = slo[None, :] - own_t
-    p_meet = np.where(slack < 0, 0.0, 1.0 - c_wait[:, None] * np.exp(-decay[:, None] * np.maximum(slack, 0.0)))
-    served = np.where(under, 1.0, 1.0 / np.maximum(rho, 1e-12))  # overloaded: the excess never finishes in time
-    attainment = np.where(under, p_meet.mean(axis=1), served * p_meet.mean(axis=1))
-    latency_s = own_t.mean(axis=1) + np.where(np.isfinite(mean_wait), mean_wait, 0.0)
-    latency_s = np.where(under, latency_s, latency_s + 10.0 * t_full * (rho - 1.0) * slots)
-    return Curves(tp, rates, np.clip(attainment, 0.0, 1.0), latency_s, taus_arr[chosen].mean(axis=1), capacity)
+    # states an arrival can find: up to where even the fastest drain leaves no SLO in reach
+    per_departure = mean_t[slots - 1, lowest] / slots
+    depth = int(np.clip(np.ceil(slo.max() / max(per_departure, 1e-12)), 1, max_states - slots))
+    chain = _Chain(times, mean_t, allowed_j, floor_idx, slo, taus_arr, slots, depth, lowest)
+    attainment, latency_s, tau_mean = chain.solve(rates)
+    return Curves(tp, rates, np.clip(attainment, 0.0, 1.0), latency_s, tau_mean, capacity)
+
+
+class _Chain:
+    """The birth-death chain of `instance_curves`, over the requests in time an arrival finds."""
+
+    def __init__(self, times, mean_t, allowed_j, floor_idx, slo, taus, slots: int, depth: int, lowest: int):
+        self.times, self.mean_t, self.allowed_j, self.floor_idx = times, mean_t, allowed_j, floor_idx
+        self.slo, self.taus, self.slots, self.lowest = slo, taus, slots, lowest
+        self.n = np.arange(slots + depth)
+
+    def solve(self, rates: np.ndarray):
+        """(attainment, mean latency s, mean τ) per arrival rate."""
+        n, slots, times, mean_t = self.n, self.slots, self.times, self.mean_t
+        batch_idx = np.minimum(n + 1, slots) - 1  # the batch an arrival joins
+        ahead = np.maximum(0, n + 1 - slots)  # departures to wait for
+        wait = ahead[:, None] * mean_t[slots - 1][None, :] / slots  # [N, T] at that τ for everyone
+        own = times[batch_idx]  # [N, T, J]
+        fits = self.allowed_j[None] & (wait[:, :, None] + own <= self.slo[None, None, :])
+        met = fits.any(axis=1)  # [N, J]
+        chosen = np.where(met, fits.argmax(axis=1), self.floor_idx[None, :])  # [N, J] highest τ that fits
+        own_t = np.take_along_axis(own, chosen[:, None, :], axis=1)[:, 0, :]  # [N, J]
+        wait_t = np.take_along_axis(wait, chosen, axis=1)
+        join = met.mean(axis=1)  # [N] share of arrivals in state n that join
+        # departure rate with n + 1 present (at the arrivals' own τ choices)
+        joined = np.maximum(met.sum(axis=1), 1)
+        serve_t = np.where(met.any(axis=1), np.where(met, own_t, 0.0).sum(axis=1) / joined, own_t.mean(axis=1))
+        mu = np.minimum(n + 1, slots) / np.maximum(serve_t, 1e-12)  # those in service / their time
+        with np.errstate(divide="ignore"):
+            steps = np.log(join) - np.log(mu)
+            log_rate = np.log(np.maximum(rates, 1e-300))
+        prefix = np.concatenate([[0.0], np.cumsum(steps)])[: len(n)]
+        logp = n[None, :] * log_rate[:, None] + prefix[None, :]  # log p_n = n log λ + Σ_k<n log(join_k / mu_k)
+        logp[rates <= 0, 1:] = -np.inf  # no arrivals: empty
+        logp -= logp.max(axis=1, keepdims=True)
+        p = np.exp(logp)
+        p /= p.sum(axis=1, keepdims=True)  # [R, N]
+        # a miss runs at its floor behind the requests in time found with it
+        late = wait[:, self.lowest][:, None] + times[batch_idx][:, self.floor_idx, np.arange(len(self.slo))]
+        lat_n = np.where(met, wait_t + own_t, late).mean(axis=1)
+        return p @ join, p @ lat_n, p @ self.taus[chosen].mean(axis=1)
 
 
 @dataclass(frozen=True, slots=True)

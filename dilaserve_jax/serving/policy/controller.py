@@ -7,8 +7,9 @@ Every `interval_s` the cluster (or the simulator) calls `decide(now, current, sn
 - **Candidates.** Every partition of the devices into power-of-two TP groups the model allows
   (`tp_degrees`), or only the layouts given (`--layouts`).
 - **Prediction.** `capacity.evaluate_layouts`: per TP degree, the latency model (refresh and reuse
-  steps costed apart), the τ -> tokens/step estimate the instances publish, and the router's
-  equal-latency split give each candidate's SLO attainment, mean latency and mean τ.
+  steps costed apart, a round priced as the decoder runs it: one padded step per length bucket
+  present in the batch, `StepShapes`), the τ -> tokens/step estimate the instances publish, and
+  the router's equal-latency split give each candidate's SLO attainment, mean latency and mean τ.
 - **Objective.** attainment + `tau_weight`·mean τ − `latency_weight`·latency/latency_now: deadlines
   first, then quality, then speed (at low load every layout meets every deadline at τ_max and the
   widest instances finish soonest; at high load narrow instances keep τ high).
@@ -35,7 +36,8 @@ from typing import Mapping, Sequence
 
 from dilaserve_jax.core.cli import opt
 from dilaserve_jax.core.layouts import binary_partitions, layout_text, moved_fraction, parse_layout, placements
-from dilaserve_jax.serving.policy.capacity import LayoutPrediction, RequestShape, evaluate_layouts, instance_curves
+from dilaserve_jax.serving.policy.capacity import (LayoutPrediction, RequestShape, StepShapes, evaluate_layouts,
+                                                   instance_curves)
 from dilaserve_jax.serving.policy.latency import LatencyModel
 from dilaserve_jax.serving.policy.threshold import DEFAULT_PRIOR
 from dilaserve_jax.core.kinds import StepKind
@@ -55,7 +57,7 @@ class ControllerConfig:
                                        "for resharding", name="--interconnect-gbps")
     compile_s: float = opt(10.0, "seconds to compile a placement never compiled (the old layout serves meanwhile)")
     tau_weight: float = 0.1
-    latency_weight: float = 0.1
+    latency_weight: float = 0.2
     target_utilisation: float = 0.85
     max_migrations: int = 4  # per round
     migration_cooldown_s: float = 5.0  # a request moves at most once per this long
@@ -116,8 +118,9 @@ class ClusterController:
     def __init__(self, cfg: ControllerConfig, *, num_devices: int, tp_degrees: Sequence[int],
                  latency: LatencyModel | Mapping[int, LatencyModel], slots: int, param_bytes: int,
                  layouts: Sequence[str | Sequence[int]] | None = None, tau_floor: float = 0.5,
-                 prior: Mapping[float, float] | None = None) -> None:
+                 prior: Mapping[float, float] | None = None, shapes: StepShapes | None = None) -> None:
         self.cfg = cfg
+        self.shapes = shapes  # how the decoder batches (buckets); None: one batch at each request's canvas
         self.num_devices, self.slots, self.param_bytes, self.tau_floor = num_devices, slots, param_bytes, tau_floor
         self.tp_degrees = tuple(sorted(t for t in set(tp_degrees) if t <= num_devices))
         if not self.tp_degrees:
@@ -168,7 +171,8 @@ class ClusterController:
         layouts = list(self.candidates if layouts is None else layouts)
         needed = sorted({t for lay in layouts for t in lay})
         curves = {t: instance_curves(self._model(t), t, sample, self.slots, self.taus, self.tokens_per_step,
-                                     tau_floor=self.tau_floor, target_utilisation=self.cfg.target_utilisation)
+                                     tau_floor=self.tau_floor, target_utilisation=self.cfg.target_utilisation,
+                                     shapes=self.shapes)
                   for t in needed}
         return evaluate_layouts(layouts, curves, rate)
 

@@ -228,9 +228,12 @@ class QualityBudget:
         """Per request the lowest τ it may run at this round.
 
         Free: every candidate that costs nothing. A request whose deadline needs a τ that costs
-        something (`desired`, not at risk) is granted it, cheapest first, while the pool's allowance
-        (or its own budget) covers the predicted cost of finishing at that τ; otherwise it stays at
-        its lowest free τ. Mode `floor`: the fixed floor for everyone.
+        something (`desired`) is granted it, cheapest first, while the pool's allowance (or its own
+        budget) covers the predicted cost of finishing at that τ; otherwise it stays at its lowest
+        free τ. Requests at risk ask after every request still in time: a late request run fast
+        frees its slot sooner for the others, so what the budget has left is spent on that (held at
+        its free τ, a request past saving keeps its slot longest). Mode `floor`: the fixed floor for
+        everyone.
         """
         floors: dict[str, float] = {}
         if self.cfg.mode == "floor":
@@ -241,11 +244,11 @@ class QualityBudget:
             free = min((t for t in cands if self.cost(r, t) <= 1e-12), default=max(cands))
             floors[r.id] = free
             want = desired.get(r.id, free)
-            if want < free and not at_risk.get(r.id, False):
-                asks.append((self.cost(r, want), r.deadline, r, want))
+            if want < free:
+                asks.append((at_risk.get(r.id, False), self.cost(r, want), r.deadline, r, want))
         bounded = self.cfg.max_accuracy_drop is not None
         spent, scatter, n = self._pool() if bounded else (0.0, 0.0, 0)
-        for cost, _, r, want in sorted(asks, key=lambda a: (a[0], a[1])):
+        for _, cost, _, r, want in sorted(asks, key=lambda a: a[:3]):
             if self.pooled(r):
                 if not bounded:
                     floors[r.id] = want

@@ -289,12 +289,19 @@ class ThresholdController:
             req.at_risk = best[req.id].at_risk
         return self._unplanned(beyond, now, best)
 
-    @staticmethod
-    def _unplanned(beyond: Sequence[Request], now: float, best: dict[str, Decision]) -> dict[str, Decision]:
-        for w in beyond:  # not planned this round: lowest priority; τ_max (costs no budget) if it runs anyway
-            best[w.id] = Decision(w.tau_max, True, now, now)
+    def _unplanned(self, beyond: Sequence[Request], now: float, best: dict[str, Decision]) -> dict[str, Decision]:
+        for w in beyond:  # not planned this round: lowest priority, and fast if it runs anyway
+            best[w.id] = Decision(self.fast_tau(w), True, now, now)
             w.at_risk = True
         return best
+
+    def fast_tau(self, req: Request) -> float:
+        """The τ an unplanned request runs at if it runs: the lowest that costs no accuracy budget
+        (τ_min without a budget; the budget grants planned ones more, see `QualityBudget.grant`)."""
+        cands = self.candidates(req)
+        if self.budget is None:
+            return cands[-1]
+        return min((t for t in cands if self.budget.cost(req, t) <= 1e-12), default=cands[0])
 
     def _duration(self, req: Request, tau: float, batch: int, step_time: StepTime, others: float) -> float:
         key = (req.id, tau)  # batch and others are fixed within one plan

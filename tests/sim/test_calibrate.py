@@ -1,0 +1,27 @@
+"""The controller's predictions against the simulator, on a small grid (a regression bound)."""
+from pathlib import Path
+
+import pytest
+
+from dilaserve_jax.sim.calibrate import CalibrateConfig, calibrate, format_rows, main
+
+TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "azure_llm_2023_code.csv"
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason="the code trace is not beside the checkout")
+def test_predictions_stay_within_ten_points_of_the_simulator_below_capacity():
+    cfg = CalibrateConfig(lengths=str(TRACE), rates=(10, 30), layouts=("2x4", "8x1"), duration=10, jobs=1,
+                          progress=False)
+    rows, ranks, _ = calibrate(cfg)
+    assert len(rows) == 4 and all(0 <= r["sim_attainment"] <= 1 for r in rows)
+    assert max(abs(r["error_points"]) for r in rows) <= 10, format_rows(rows, ranks, cfg)
+    assert all(k["ok"] for k in ranks), format_rows(rows, ranks, cfg)
+
+
+def test_fixed_lengths_table_and_bad_input(capsys):
+    assert main(["--rates", "8", "--layouts", "1x2", "2x1", "--devices", "2", "--duration", "5", "--jobs", "1",
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "1x2" in out and "2x1" in out and "attainment error" in out
+    assert main(["--rates", "-1"]) == 2
+    assert "--rates must be positive" in capsys.readouterr().err
