@@ -18,6 +18,14 @@ def test_predictions_stay_within_ten_points_of_the_simulator_below_capacity():
     assert all(k["ok"] for k in ranks), format_rows(rows, ranks, cfg)
 
 
+def test_fixed_length_predictions_stay_within_ten_points_below_capacity():
+    cfg = CalibrateConfig(rates=(10, 30), layouts=("4x2", "8x1"), duration=10, jobs=1, progress=False)
+    rows, ranks, _ = calibrate(cfg)
+    assert len(rows) == 4
+    assert max(abs(r["error_points"]) for r in rows) <= 10, format_rows(rows, ranks, cfg)
+    assert all(k["ok"] for k in ranks), format_rows(rows, ranks, cfg)
+
+
 def test_fixed_lengths_table_and_bad_input(capsys):
     assert main(["--rates", "8", "--layouts", "1x2", "2x1", "--devices", "2", "--duration", "5", "--jobs", "1",
                  "--no-progress"]) == 0
