@@ -13,7 +13,8 @@ from dilaserve_jax.models import CharTokenizer
 from dilaserve_jax.serving.cluster.cluster import Cluster, InstanceInfo
 from dilaserve_jax.serving.cluster.weights_swap import NewWeights
 from dilaserve_jax.serving.cluster.engine import Engine
-from dilaserve_jax.serving.cluster.fake_runner import FakeRunner, fake_profile
+from dilaserve_jax.serving.cluster.fake_runner import fake_profile
+from dilaserve_jax.serving.cluster.hosts.fake_hosts import LetterFakeRunner
 from dilaserve_jax.serving.policy.latency import LatencyModel
 from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
 
@@ -51,17 +52,7 @@ class ServerThread:
             self.thread.join(5)
 
 
-class CharFakeRunner(FakeRunner):
-    """The fake runner, emitting printable characters so answers decode as text."""
-
-    def _advance(self, slot, st, tau):
-        out = super()._advance(slot, st, tau)
-        tokens = tuple(97 + t % 26 for t in out.tokens)
-        for p, t in zip(out.positions, tokens):
-            st.tokens[p] = t
-        answer = tuple(t for t in st.tokens if t is not None) if out.request_finished else None
-        return type(out)(out.slot, out.positions, tokens, out.n_committed, out.max_confidence,
-                         out.block_finished, out.request_finished, answer=answer)
+CharFakeRunner = LetterFakeRunner  # printable characters, so answers decode as text
 
 
 def fake_loader(names, delay_s=0.0):

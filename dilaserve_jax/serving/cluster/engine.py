@@ -27,7 +27,8 @@ from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 from dilaserve_jax.serving.cluster.engine_types import (EngineUnavailable, FailureFn, Handoff, HungStep, ProgressFn,
-                                                        RequestHandle, RequestResult, StepHook, StepProgress)
+                                                        RequestHandle, RequestResult, StepHook, StepProgress,
+                                                        describe_error, fail_future, resolve_future)
 from dilaserve_jax.serving.policy.snapshots import EngineSnapshot, EngineState, own_time
 from dilaserve_jax.serving.policy.request import Request, RequestState
 from dilaserve_jax.serving.policy.scheduler import Scheduler
@@ -166,10 +167,10 @@ class Engine:
             self._pending.clear()
         err = EngineUnavailable(f"instance {self.name} stopped")
         for fut, _ in handles.values():
-            _fail_future(fut, err)
+            fail_future(fut, err)
         for op, arg in ops:
             if op == "call":
-                _fail_future(arg[1], err)
+                fail_future(arg[1], err)
         self._publish()
 
     def fail(self, error: BaseException) -> bool:
@@ -323,7 +324,7 @@ class Engine:
                 return False
             self._state = EngineState.FAILED
             self.error = error
-            self._snapshot = dataclasses.replace(self._snapshot, state=self._state, error=_describe(error))
+            self._snapshot = dataclasses.replace(self._snapshot, state=self._state, error=describe_error(error))
             ops, self._ops = list(self._ops), deque()
             self._pending.clear()
             self._cv.notify_all()
@@ -335,7 +336,7 @@ class Engine:
             if op == "add":
                 moving.append(arg[0])
             elif op == "call":
-                _fail_future(arg[1], EngineUnavailable(f"instance {self.name} failed", error))
+                fail_future(arg[1], EngineUnavailable(f"instance {self.name} failed", error))
         ratios: dict[str, float | None] = {}
         for rid, req in list(sch.requests.items()):
             try:
@@ -362,15 +363,15 @@ class Engine:
             leftovers, self._handles = self._handles, {}
         for req, fut in doomed:
             req.transition(RequestState.FINISHED_ABORTED, now)
-            _set_result(fut, RequestResult.of(req, self.name))
+            resolve_future(fut, RequestResult.of(req, self.name))
         for fut, _ in leftovers.values():
-            _fail_future(fut, EngineUnavailable(f"instance {self.name} failed", error))
+            fail_future(fut, EngineUnavailable(f"instance {self.name} failed", error))
         self._publish()
         if self.on_failure is not None:
             self.on_failure(self, handoffs, error)
         else:
             for h in handoffs:
-                _fail_future(h.future, EngineUnavailable(f"instance {self.name} failed: {error}", error))
+                fail_future(h.future, EngineUnavailable(f"instance {self.name} failed: {error}", error))
         return True
 
     def _progress(self, req: Request, p: StepProgress) -> None:
@@ -387,31 +388,11 @@ class Engine:
             with self._cv:
                 fut, _ = self._handles.pop(r.id, (None, None))
             if fut is not None:
-                _set_result(fut, RequestResult.of(r, self.name))
+                resolve_future(fut, RequestResult.of(r, self.name))
 
     def _publish(self) -> None:
         load = self.scheduler.snapshot(self.clock())
         with self._cv:
-            err = None if self.error is None else _describe(self.error)
+            err = None if self.error is None else describe_error(self.error)
             self._snapshot = EngineSnapshot(self.name, self._state, load, tuple(self._pending.values()),
                                             self.steps, err)
-
-
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
-
-
-def _set_result(fut: Future, value) -> None:
-    if not fut.done():
-        try:
-            fut.set_result(value)
-        except Exception:  # noqa: BLE001 - resolved concurrently (cancelled)
-            pass
-
-
-def _fail_future(fut: Future, err: BaseException) -> None:
-    if not fut.done():
-        try:
-            fut.set_exception(err)
-        except Exception:  # noqa: BLE001
-            pass

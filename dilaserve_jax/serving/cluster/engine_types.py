@@ -100,3 +100,25 @@ class RequestHandle:
 
     def abort(self) -> None:
         self._abort()
+
+
+def describe_error(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def resolve_future(fut: Future, value) -> None:
+    """Set a result unless the future is done already (a caller may cancel it concurrently)."""
+    if not fut.done():
+        try:
+            fut.set_result(value)
+        except Exception:  # noqa: BLE001 - cancelled concurrently
+            pass
+
+
+def fail_future(fut: Future, err: BaseException) -> None:
+    """Set an exception unless the future is done already."""
+    if not fut.done():
+        try:
+            fut.set_exception(err)
+        except Exception:  # noqa: BLE001 - cancelled concurrently
+            pass

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 from dilaserve_jax.serving.cluster.engine import Engine
 from dilaserve_jax.serving.cluster.engine_types import (EngineUnavailable, Handoff, ProgressFn, RequestHandle,
-                                                        RequestResult)
+                                                        RequestResult, fail_future, resolve_future)
 from dilaserve_jax.serving.policy.request import Request, RequestState
 from dilaserve_jax.serving.policy.router import NoInstanceAvailable, Router
 
@@ -105,9 +105,9 @@ class RequestTable:
                     settled.append((h.future, err))
         for fut, outcome in settled:
             if isinstance(outcome, BaseException):
-                _fail(fut, outcome)
+                fail_future(fut, outcome)
             else:
-                _resolve(fut, outcome)
+                resolve_future(fut, outcome)
 
     def _place_locked(self, h: Handoff, exclude: frozenset[str] = frozenset(), prefer: str | None = None) -> None:
         tried = set(exclude)
@@ -139,19 +139,3 @@ class RequestTable:
         with self.lock:
             self._where.pop(request_id, None)
             self._abort_wanted.discard(request_id)
-
-
-def _fail(fut: Future, err: BaseException) -> None:
-    if not fut.done():
-        try:
-            fut.set_exception(err)
-        except Exception:  # noqa: BLE001 - cancelled concurrently
-            pass
-
-
-def _resolve(fut: Future, value) -> None:
-    if not fut.done():
-        try:
-            fut.set_result(value)
-        except Exception:  # noqa: BLE001 - cancelled concurrently
-            pass

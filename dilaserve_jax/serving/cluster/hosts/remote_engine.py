@@ -21,7 +21,8 @@ from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 from dilaserve_jax.serving.cluster.engine_types import (EngineUnavailable, FailureFn, Handoff, ProgressFn,
-                                                        RequestHandle, RequestResult, StepHook)
+                                                        RequestHandle, RequestResult, StepHook, describe_error,
+                                                        fail_future, resolve_future)
 from dilaserve_jax.serving.cluster.hosts.worker import HOST_STATE_FIELDS
 from dilaserve_jax.serving.policy.request import Request
 from dilaserve_jax.serving.policy.snapshots import EngineSnapshot, EngineState, own_time
@@ -101,7 +102,7 @@ class RemoteEngine:
             pending = tuple(w for w, _ in self._pending.values())
         if state in (EngineState.FAILED, EngineState.STOPPED):
             return dataclasses.replace(snap, state=state, pending=(),
-                                       error=None if self.error is None else _describe(self.error))
+                                       error=None if self.error is None else describe_error(self.error))
         return dataclasses.replace(snap, state=state, pending=tuple(snap.pending) + pending)
 
     @property
@@ -131,7 +132,7 @@ class RemoteEngine:
             copies, self._copies = self._copies, {}
             self._pending.clear()
         for _, fut, _ in copies.values():
-            _fail(fut, EngineUnavailable(f"instance {self.name} stopped"))
+            fail_future(fut, EngineUnavailable(f"instance {self.name} stopped"))
 
     def check_hung(self, limit_s: float, now: float | None = None) -> bool:
         return False  # the host's own watchdog watches its runner calls
@@ -147,7 +148,7 @@ class RemoteEngine:
             self._pending.clear()
             waiters, self._handovers = self._handovers, {}
         for w in waiters.values():
-            _fail(w, EngineUnavailable(f"instance {self.name} failed", error))
+            fail_future(w, EngineUnavailable(f"instance {self.name} failed", error))
         ratios = {}
         for req, ratio in fresher:
             if req.id in copies:
@@ -161,12 +162,12 @@ class RemoteEngine:
             if req.id not in ratios:  # as of its last report: it moves with that canvas, next step a refresh
                 req.detach(now)
             handoffs.append(Handoff(req, fut, cb, ratios.get(req.id)))
-        log.error("instance %s failed (%s): %d request(s) to move", self.name, _describe(error), len(handoffs))
+        log.error("instance %s failed (%s): %d request(s) to move", self.name, describe_error(error), len(handoffs))
         if self.on_failure is not None:
             self.on_failure(self, handoffs, error)
         else:
             for h in handoffs:
-                _fail(h.future, EngineUnavailable(f"instance {self.name} failed: {error}", error))
+                fail_future(h.future, EngineUnavailable(f"instance {self.name} failed: {error}", error))
         return True
 
     # --- reports from the host (the link's poller thread, in the order the host made them) ---
@@ -198,7 +199,7 @@ class RemoteEngine:
                 self._pending.pop(rid, None)
             if entry is not None:
                 _finish(entry[0], result)
-                _resolve(entry[1], dataclasses.replace(result, instance=self.name))
+                resolve_future(entry[1], dataclasses.replace(result, instance=self.name))
         elif kind == "handed":
             _, _, token, items = report
             with self._lock:
@@ -211,7 +212,7 @@ class RemoteEngine:
                         _adopt(entry[0], req)
                         handoffs.append(Handoff(entry[0], entry[1], entry[2], ratio))
             if waiter is not None:
-                _resolve(waiter, handoffs)
+                resolve_future(waiter, handoffs)
         elif kind == "failed":
             _, _, fault, items = report
             self.fail(RuntimeError(f"on host {self.link.host}: {fault}"), items)
@@ -236,23 +237,3 @@ def _finish(copy: Request, result: RequestResult) -> None:
     if not copy.finished:
         copy.state, copy.finish_time = result.state, result.finish
         copy.output_tokens = list(result.tokens)
-
-
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
-
-
-def _resolve(fut: Future, value) -> None:
-    if not fut.done():
-        try:
-            fut.set_result(value)
-        except Exception:  # noqa: BLE001 - cancelled concurrently
-            pass
-
-
-def _fail(fut: Future, err: BaseException) -> None:
-    if not fut.done():
-        try:
-            fut.set_exception(err)
-        except Exception:  # noqa: BLE001
-            pass
