@@ -185,11 +185,12 @@ class Bench:
     def serve(self, policy: str, trace: list[tuple[float, int, float]], desc: str = "", budget: float | None = None,
               mode: str = "-") -> list:
         """Serve (arrival offset, item index, slo) on a fresh scheduler; returns the finished requests.
-        Where the time went is left in `last_timing`, the instance's own quality accounting in
-        `last_quality`."""
+        Where the time went is left in `last_timing`, every engine iteration in `last_trace`
+        (`IterationRecord`s), the instance's own quality accounting in `last_quality`."""
         from tqdm.auto import tqdm
 
         from dilaserve_jax.serving.cluster.engine import Engine
+        from dilaserve_jax.serving.cluster.iteration_trace import IterationTracer
         from dilaserve_jax.serving.policy.request import make_request
         from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
 
@@ -213,6 +214,7 @@ class Bench:
         else:
             clock = None
             engine = Engine(self.runner, sched)
+        engine.tracer = tracer = IterationTracer(engine.clock)
         shapes: dict[str, tuple[int, int]] = {}  # request id -> (canvas, block)
         steps: list[tuple[int, list, float, float]] = []
         engine.add_step_hook(lambda name, plan, outs, t0, t1: steps.append(
@@ -245,6 +247,7 @@ class Bench:
             pass
         bar.close()
         self.last_timing = RunTiming(steps, iterations, engine.clock() - t0)
+        self.last_trace = tracer.records
         self.last_quality = sched.quality()
         return reqs
 

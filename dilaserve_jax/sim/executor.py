@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from dilaserve_jax.core.buckets import padded
 from dilaserve_jax.core.outcome import SlotOutcome
 from dilaserve_jax.core.kinds import StepKind
 from dilaserve_jax.sim.quality import Progress, QualityModel, RequestPlan
+
+if TYPE_CHECKING:
+    from dilaserve_jax.sim.host_time import HostTimeModel
 
 TOKEN = 1  # the modelled runner's stand-in token id (answers are counted, not read)
 
@@ -128,7 +131,10 @@ class ModelledRunner:
     at temperature > 0, which the simulated workloads never ask for)."""
 
     def __init__(self, num_slots: int, tp_degree: int, clock: VirtualClock, step_time: StepTimeModel,
-                 quality: QualityModel, plans: Mapping[int, RequestPlan], seed: int = 0) -> None:
+                 quality: QualityModel, plans: Mapping[int, RequestPlan], seed: int = 0,
+                 host_time: "HostTimeModel | None" = None) -> None:
+        """host_time: host seconds charged with each step on (batch, `queue_depth()`), besides the step
+        model's constant `overhead_s` (`sim/host_time.py`)."""
         if num_slots < 1:
             raise ValueError("num_slots must be >= 1")
         self.num_slots, self.tp_degree, self.clock = num_slots, tp_degree, clock
@@ -137,6 +143,9 @@ class ModelledRunner:
         self.rng = np.random.default_rng([seed, tp_degree, 11])
         self.steps_run = 0
         self.busy_s = 0.0
+        self.host_time = host_time
+        self.queue_depth: Callable[[], int] = lambda: 0  # set by the simulator: the scheduler's waiting count
+        self.last_host_s = 0.0  # host time charged with the last step (the iteration trace's)
 
     def admit(self, slot: int, prompt_tokens: Sequence[int], answer_length: int, block_length: int, *,
               temperature: float = 0.0, seed: int = 0, committed: Sequence[int | None] | None = None,
@@ -164,6 +173,9 @@ class ModelledRunner:
         states = check_step(kind, slots, taus, blocks, self.slots, lambda st: (st.progress.block, st.needs_refresh))
         dt = self.step_time.batch_seconds(kind, [(st.prompt_len + st.plan.answer_length, st.plan.block_length)
                                                  for st in states], self.tp_degree, self.rng, self.clock())
+        host = 0.0 if self.host_time is None else self.host_time.sample(len(slots), self.queue_depth(), self.rng)
+        self.last_host_s = host + self.step_time.overhead_s
+        dt += host
         out = [self._advance(s, st, tau) for s, st, tau in zip(slots, states, taus)]
         self.clock.advance(dt)
         self.steps_run += 1

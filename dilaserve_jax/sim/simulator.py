@@ -25,6 +25,7 @@ from dilaserve_jax.serving.policy.capacity import RequestShape, StepShapes
 from dilaserve_jax.serving.policy.controller import ClusterController, ControllerConfig
 from dilaserve_jax.serving.cluster.engine import Engine
 from dilaserve_jax.serving.cluster.engine_types import RequestResult
+from dilaserve_jax.serving.cluster.iteration_trace import IterationTracer
 from dilaserve_jax.serving.policy.latency import LatencyModel
 from dilaserve_jax.serving.policy.limits import DEFAULT_MAX_QUEUE
 from dilaserve_jax.serving.policy.quality import BUDGET_MODES
@@ -33,6 +34,7 @@ from dilaserve_jax.serving.policy.scheduler import POLICIES, Scheduler, Schedule
 from dilaserve_jax.serving.policy.threshold import ThresholdConfig
 from dilaserve_jax.sim.cluster import ARRIVAL, CONTROL, SWITCH, SimCluster, SimInstance, SwitchCost
 from dilaserve_jax.sim.executor import ModelledRunner, StepTimeModel, VirtualClock, advance
+from dilaserve_jax.sim.host_time import HostTimeModel
 from dilaserve_jax.sim.policies import ABLATIONS, threshold_controller_class
 from dilaserve_jax.sim.quality import QualityModel, RequestPlan, make_plan
 from dilaserve_jax.sim.workload import RequestSpec
@@ -132,12 +134,15 @@ class Simulation:
                  latency: LatencyModel, quality: QualityModel | None, prior: Mapping[float, float] | None,
                  param_bytes: float, progress: bool = False, label: str = "",
                  runner_factory: Callable[[InstanceInfo, VirtualClock], object] | None = None,
-                 eval_rows: Sequence[Mapping] | None = None) -> None:
+                 eval_rows: Sequence[Mapping] | None = None, host_time: HostTimeModel | None = None,
+                 trace: bool = False) -> None:
         """`runner_factory(info, clock)` replaces the modelled runner (tests drive the fake runner);
         without it `step_time` and `quality` are required. `eval_rows` (`tasks.eval --json` format;
         `QualityModel.eval_rows()`): the threshold controller's speed prior and accuracy budget, built
         by the serving code (`ThresholdConfig.from_eval`, `cfg.max_accuracy_drop`); without them the
-        `prior` alone and no budget."""
+        `prior` alone and no budget. `host_time`: host seconds per iteration on (batch, queue), charged
+        with each step (`sim/host_time.py`). `trace`: record every engine iteration (`traces`, per
+        instance name; `serving/cluster/iteration_trace.py`)."""
         if runner_factory is None and (step_time is None or quality is None):
             raise ValueError("the modelled runner needs a step-time model and a quality model")
         self.cfg, self.specs = cfg, list(specs)
@@ -155,6 +160,8 @@ class Simulation:
         self._tclass = threshold_controller_class(cfg.ablate) if cfg.policy == "dilaserve" else None
         self.hooks: list = []  # step hooks added to every engine (tests)
         self.runner_factory = runner_factory
+        self.host_time = host_time
+        self.traces: dict[str, IterationTracer] | None = {} if trace else None
 
     # --- construction ---
     def make_instance(self, info: InstanceInfo, t: float) -> SimInstance:
@@ -164,11 +171,16 @@ class Simulation:
             runner = self.runner_factory(info, clock)
         else:
             runner = ModelledRunner(cfg.slots, info.tp_degree, clock, self.step_time, self.quality, self.plans,
-                                    seed=cfg.seed * 1009 + info.device_ids[0])
+                                    seed=cfg.seed * 1009 + info.device_ids[0], host_time=self.host_time)
         ctl = self._tclass(self._tcfg) if self._tclass is not None else None
         sched = Scheduler(SchedulerConfig(cfg.slots, policy=cfg.policy, tp=info.tp_degree, static_tau=cfg.static_tau,
                                           max_queue=cfg.max_queue, threshold=self._tcfg), self.latency, ctl)
         engine = Engine(runner, sched, clock=clock, name=info.name)
+        if hasattr(runner, "queue_depth"):
+            runner.queue_depth = lambda: len(sched.waiting)
+        if self.traces is not None:
+            engine.tracer = self.traces[info.name] = IterationTracer(
+                clock, (lambda: runner.last_host_s) if hasattr(runner, "last_host_s") else None)
         for hook in self.hooks:
             engine.add_step_hook(hook)
         return SimInstance(info, engine, clock)

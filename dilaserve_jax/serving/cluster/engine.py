@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 from dilaserve_jax.serving.cluster.engine_types import (EngineUnavailable, FailureFn, Handoff, HungStep, ProgressFn,
                                                         RequestHandle, RequestResult, StepHook, StepProgress,
                                                         describe_error, fail_future, resolve_future)
+from dilaserve_jax.serving.cluster.iteration_trace import NO_TRACE
 from dilaserve_jax.serving.policy.snapshots import EngineSnapshot, EngineState, own_time
 from dilaserve_jax.serving.policy.request import Request, RequestState
 from dilaserve_jax.serving.policy.scheduler import Scheduler
@@ -56,6 +57,7 @@ class Engine:
         self._runner_call_since: float | None = None  # monotonic start of the runner call in progress
         self.error: BaseException | None = None
         self.steps = 0
+        self.tracer = NO_TRACE  # an IterationTracer records every iteration (set before the loop starts)
         self._snapshot = EngineSnapshot(name, self._state, scheduler.snapshot(clock()), (), 0, None)
 
     # --- thread-safe API ---
@@ -201,24 +203,32 @@ class Engine:
             return False
 
     def _iterate(self) -> bool:
-        sch, runner = self.scheduler, self.runner
+        sch, runner, tr = self.scheduler, self.runner, self.tracer
         with self._owner:
             if self._state == EngineState.FAILED:
                 return False
+            tr.begin()
             self._apply_ops()
+            tr.lap("mailbox")
             plan = sch.schedule(self.clock())
             self._resolve(sch.pop_finished())
+            tr.lap("schedule")
             if plan is None:
                 self._publish()
+                tr.end(None, sch)
                 return False
         self._runner_calls(lambda: self._prepare(plan))
+        tr.lap("prepare")
         if not plan.has_step:
             with self._owner:
                 self._publish()
+                tr.lap("publish")
+                tr.end(plan, sch)
             return True
         t0 = self.clock()
         outcomes = self._runner_calls(lambda: runner.step(plan.kind, plan.slots, plan.taus, plan.blocks))
         t1 = self.clock()
+        tr.lap("step")
         with self._owner:
             if self._state == EngineState.FAILED:  # taken over while the step ran: not ours any more
                 return False
@@ -230,8 +240,11 @@ class Engine:
                                                  req.answer_length, t1, self.name))
             for hook in self._hooks:
                 hook(self.name, plan, outcomes, t0, t1)
+            tr.lap("update")
             self._resolve(sch.pop_finished())
             self._publish()
+            tr.lap("publish")
+            tr.end(plan, sch, t0, t1)
         return True
 
     def run_until_idle(self, max_iterations: int = 1_000_000) -> int:
@@ -292,6 +305,7 @@ class Engine:
                 req, ratio = arg
                 with self._cv:
                     self._pending.pop(req.id, None)
+                self.tracer.arrived(req.id, req.arrival)
                 self.scheduler.add(req, now, ratio)
             elif op == "abort":
                 self.scheduler.abort(arg)
