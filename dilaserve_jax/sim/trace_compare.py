@@ -52,7 +52,7 @@ class Divergence:
         at = "" if self.real_time is None or self.sim_time is None else \
             f" (real clock {self.real_time:.6f} s, simulated {self.sim_time:.6f} s)"
         return (f"first divergence at iteration {self.index}{at}: {self.what} real {self.real!r}, simulated "
-                f"{self.sim!r}; the real clock ran {1e3 * self.lag_s:+.3f} ms ahead of the simulated one before it")
+                f"{self.sim!r}; real minus simulated clock at the previous step's end {1e3 * self.lag_s:+.3f} ms")
 
 
 def first_divergence(real: Sequence[IterationRecord], sim: Sequence[IterationRecord],
