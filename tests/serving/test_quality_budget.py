@@ -189,11 +189,14 @@ def test_mean_predicted_loss_stays_within_budget_over_a_long_random_stream(laten
 
 
 @pytest.mark.slow
-def test_spending_the_budget_on_evidence_beats_the_fixed_floor(latency):
+def test_spending_the_budget_on_evidence_does_not_lose_to_the_fixed_floor(latency):
+    # Both judge feasibility at the τ they may run at (the floor, or what the budget may grant), so
+    # the floor no longer over-admits; on this stream the two meet as many deadlines (137 of 150,
+    # was 132 for the floor when it was judged at τ_min), and the budget spends under half its allowance.
     floor, _ = stream(latency, 2.0, mode="floor")  # the fixed floor for 2 points is 0.9 here
     adaptive, engine = stream(latency, 2.0)
-    assert engine.scheduler.quality().predicted_loss_mean <= 2.0
-    assert sum(r.deadline_met for r in adaptive) >= sum(r.deadline_met for r in floor) + 5
+    assert 0.0 < engine.scheduler.quality().predicted_loss_mean <= 2.0
+    assert sum(r.deadline_met for r in adaptive) >= sum(r.deadline_met for r in floor)
 
 
 def test_risky_request_keeps_a_higher_tau_than_a_confident_one_under_the_same_slack(latency):
@@ -331,3 +334,24 @@ def test_free_floor_is_the_lowest_tau_the_budget_grants_from_the_reference():
     assert floor(10.0) == 0.85
     assert floor(None) == 0.5
     assert QualityConfig.from_eval(rows, max_accuracy_drop=None).free_floor(0.6, 0.9, TAU_GRID) == 0.6  # never below τ_min
+
+
+def test_feasibility_is_judged_at_the_lowest_tau_the_budget_allows():
+    """A request the budget holds at 0.9 does not finish at τ_min's speed: judged at 0.5 it would look
+    feasible, join a larger batch or take a slot, and miss."""
+    from dilaserve_jax.serving.policy.threshold import ThresholdController
+
+    def step_time(kind, batch, r):
+        return 0.01 * batch
+
+    held = ThresholdController(ThresholdConfig.from_eval(eval_rows(), max_accuracy_drop=0))
+    free = ThresholdController(ThresholdConfig.with_prior(dict(held.cfg.prior)))
+    r = req("r", 0.0, 1.0, first_token=2, tau_min=0.5, tau_max=0.9)
+    at_min, at_ceiling = (free.remaining_time(r, t, 1, step_time) for t in (0.5, 0.9))
+    assert at_min < at_ceiling
+    r.deadline = (at_min + at_ceiling) / 2
+    assert held.lowest_tau(r) == 0.5  # nothing granted yet
+    for ctl in (held, free):
+        ctl.plan([], [r], 0.0, 1, step_time)
+    assert held.lowest_tau(r) == 0.9 and free.lowest_tau(r) == 0.5
+    assert free.feasible_at(r, 0.0, 1, step_time) and not held.feasible_at(r, 0.0, 1, step_time)

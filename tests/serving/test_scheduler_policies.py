@@ -289,3 +289,29 @@ def test_a_hand_over_in_the_iteration_a_moved_request_arrives_loses_nothing(late
     assert len(load.waiting_left) + len(load.running_left) == 1  # a, published
     engine.run_until_idle()
     assert first.result(0).state == RequestState.FINISHED_OK
+
+
+def test_a_backlog_of_lost_requests_does_not_go_first_again(latency):
+    """A burst leaves requests past saving in the queue; fresh requests that can still make it go
+    first. Counted in full, the lost ones' skips would make them all "starved" within max_skip
+    rounds, and serving them first again (FIFO) would lose the fresh ones too."""
+    def serve(share):
+        engine, clock = make_engine(latency, slots=2, max_skip=8, at_risk_skip_share=share)
+        lost = [engine.submit(req(f"lost{i}", 0.0, 1e-4, answer=32)) for i in range(12)]
+        one = engine.scheduler.request_time(req("probe", 0.0, 1.0, answer=32), 1, 0.5)
+        fresh = []
+        for i in range(12):
+            fresh.append(engine.submit(req(f"fresh{i}", clock(), 3 * one, answer=32)))
+            for _ in range(8):
+                engine.step_once()
+        engine.run_until_idle()
+        assert all(h.result(0).state == RequestState.FINISHED_OK for h in lost)  # late, not lost
+        return sum(h.result(0).deadline_met for h in fresh)
+
+    assert serve(1.0) < serve(0.125) == 12
+
+
+def test_at_risk_skip_share_is_checked():
+    from dilaserve_jax.serving.policy.scheduler import SchedulerConfig
+    with pytest.raises(ValueError, match="at_risk_skip_share"):
+        SchedulerConfig(2, at_risk_skip_share=0.0)

@@ -23,6 +23,10 @@ falls too). `strict` refuses it at admission; a request may ask for either.
 No starvation (all policies): a request that was runnable but skipped `max_skip` rounds in a row
 goes first, whatever its deadline or risk. Where dilaserve splits batches (a step takes k of the n
 running requests), a skipped round counts k/n: one turn in n/k rounds is a fair share, not neglect.
+Under dilaserve a request at risk counts only `at_risk_skip_share` (1/8) of each skip: being passed
+over for requests still in time is the victim rule, and counted in full, a backlog of lost requests
+would all turn "starved" within `max_skip` rounds and go first again — FIFO, the domino EDF falls to.
+It still goes first after max_skip / share rounds, and it runs before then whenever there is room.
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ class SchedulerConfig:
     max_queue: int = 256  # waiting requests beyond this are rejected
     max_batch: int | None = None  # default: num_slots
     max_skip: int = 16  # rounds a runnable request may be passed over before it goes first
+    at_risk_skip_share: float = 0.125  # dilaserve: a skip of a request at risk counts this much (see module doc)
     admission: str = "best-effort"  # or "strict": refuse what cannot meet its deadline (see module doc)
     drop_expired: bool = False  # finish requests past their deadline as FINISHED_DEADLINE
     latency_ema: float = 0.2  # online correction of the latency model from measured step times
@@ -64,6 +69,8 @@ class SchedulerConfig:
             raise ValueError("num_slots, tp, max_skip must be >= 1 and max_queue >= 0")
         if self.max_batch is not None and self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if not 0 < self.at_risk_skip_share <= 1:
+            raise ValueError("at_risk_skip_share must be in (0, 1]")
         if not 0 < self.static_tau <= 1 or not 0 <= self.latency_ema <= 1:
             raise ValueError("static_tau must be in (0, 1], latency_ema in [0, 1]")
 
@@ -145,8 +152,10 @@ class Scheduler:
         elif self.cfg.strict_for(req) and req.deadline <= now:
             reason = "deadline already passed (strict admission)"
         elif self.cfg.strict_for(req) and not self._feasible(req, now, 1):
-            need = self.controller.remaining_time(req, req.tau_min, 1, self.step_time)
-            reason = (f"deadline infeasible even at tau_min={req.tau_min} on an idle instance "
+            low = self.controller.lowest_tau(req)
+            need = self.controller.remaining_time(req, low, 1, self.step_time)
+            at = f"tau_min={req.tau_min}" if low == req.tau_min else f"tau={low} (the lowest the accuracy budget allows)"
+            reason = (f"deadline infeasible even at {at} on an idle instance "
                       f"(needs {need:.3g}s, has {req.deadline - now:.3g}s; strict admission)")
         if reason is not None:
             req.reject_reason = reason
@@ -210,7 +219,7 @@ class Scheduler:
         # cheapest split takes `limit` of the running requests), a turn every few rounds is fair
         share = min(1.0, limit / len(self.running)) if self.running else 1.0
         for r in self.running.values():
-            r.steps_skipped = 0 if r.id in in_batch else r.steps_skipped + share
+            r.steps_skipped = 0 if r.id in in_batch else r.steps_skipped + share * self._skip_weight(r)
         return StepPlan(now, kind if batch else None, tuple(r.slot for r in batch), tuple(r.id for r in batch),
                         taus, admits, releases, tuple(r.block_index for r in batch))
 
@@ -218,6 +227,11 @@ class Scheduler:
         if self.cfg.adaptive:
             return self.decisions[req.id].tau
         return min(req.tau_max, max(req.tau_min, self.cfg.static_tau))
+
+    def _skip_weight(self, req: Request) -> float:
+        """How much one skip counts towards starvation: a request at risk passed over for requests
+        still in time is the victim rule at work, not neglect, so it counts a fraction."""
+        return self.cfg.at_risk_skip_share if self.cfg.adaptive and req.at_risk else 1.0
 
     def _starved(self, req: Request) -> bool:
         return req.steps_skipped >= self.cfg.max_skip
@@ -261,7 +275,7 @@ class Scheduler:
             admits.append(Admission(slot, w.id, w.prompt_tokens, w.answer_length, w.block_length,
                                     w.temperature, w.seed, w.committed_answer, len(w.steps)))
         for w in self.waiting:  # passed over while a slot was free: counts towards starvation
-            w.steps_skipped += 1
+            w.steps_skipped += self._skip_weight(w)
         return tuple(admits)
 
     def _pick_batch(self, now: float) -> tuple[StepKind | None, list[Request], int]:

@@ -160,6 +160,7 @@ class ThresholdController:
     _floors: dict[str, float] = field(default_factory=dict)  # lowest τ the budget allows, this round
     _durations: dict[tuple[str, float], float] = field(default_factory=dict)  # this round's remaining times
     _lost: set[str] = field(default_factory=set)  # queued requests past saving (deep queues only)
+    _lowest: dict[str, float] = field(default_factory=dict)  # lowest τ each may run at (budget's grant)
 
     def __post_init__(self) -> None:
         if self.tps is None:
@@ -187,6 +188,7 @@ class ThresholdController:
         """The request left; `served_loss`: it finished ok with this predicted loss (counts in the mean)."""
         self.ratios.pop(req_id, None)
         self._lost.discard(req_id)
+        self._lowest.pop(req_id, None)
         self._last_tau.pop(req_id, None)
         self._floors.pop(req_id, None)
         if self.budget is not None:
@@ -232,9 +234,24 @@ class ThresholdController:
         t = n_ref * (t_ref + wait_refresh) + n_reu * (t_reu + wait_reuse)
         return t * self.cfg.safety
 
-    def feasible_at(self, req: Request, start: float, batch: int, step_time: StepTime) -> bool:
-        """Can it meet its deadline at τ_min, starting at `start` with this batch?"""
-        return start + self.remaining_time(req, req.tau_min, batch, step_time) <= req.deadline
+    def lowest_tau(self, req: Request) -> float:
+        """The lowest τ it may run at: what the budget's last grant allows it (its free τ, or the
+        faster one it was granted), τ_min before any grant or without a budget. Feasibility is
+        judged here: a request the budget holds at 0.9 does not finish at τ_min's speed."""
+        return self._lowest.get(req.id, req.tau_min)
+
+    def fastest_grantable(self, req: Request) -> float:
+        """The lowest τ the budget could give it this round: τ_min where it grants by need (the plan
+        asks for it), the fixed floor in `floor` mode."""
+        if self.budget is not None and self.budget.cfg.mode == "floor":
+            return self.budget.floor(req, self.candidates(req))
+        return req.tau_min
+
+    def feasible_at(self, req: Request, start: float, batch: int, step_time: StepTime,
+                    tau: float | None = None) -> bool:
+        """Can it meet its deadline at τ (default its lowest allowed), starting at `start` with this batch?"""
+        tau = self.lowest_tau(req) if tau is None else tau
+        return start + self.remaining_time(req, tau, batch, step_time) <= req.deadline
 
     # --- the per-step plan ---
     def plan(self, running: Sequence[Request], waiting: Sequence[Request], now: float, num_slots: int,
@@ -265,7 +282,7 @@ class ThresholdController:
         for req, _ in sorted(active, key=lambda a: (not a[1], a[0].deadline, a[0].arrival)):
             b = max(1, min(len(members) + 1, num_slots))
             group = [*members, req] if len(members) < num_slots else [req]
-            if all(self.feasible_at(r, now, b, step_time) for r in group):
+            if all(self.feasible_at(r, now, b, step_time, self.fastest_grantable(r)) for r in group):
                 members.append(req)
             else:
                 risky.add(req.id)
@@ -278,6 +295,7 @@ class ThresholdController:
             floors = self.budget.grant(reqs, {rid: d.tau for rid, d in best.items()},
                                        {rid: d.at_risk or rid in risky for rid, d in best.items()},
                                        {r.id: self.candidates(r) for r in reqs})
+            self._lowest.update(floors)
             if any(best[rid].tau < f - 1e-12 for rid, f in floors.items()):
                 self._floors = floors
                 cap, best = self._solve(active, fracs, risky, now, num_slots, free, step_time)
