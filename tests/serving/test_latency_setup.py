@@ -94,6 +94,8 @@ def test_every_tp_degree_is_measured_before_serving_off_serving_devices_then_rea
         assert all(not serving for _, _, serving in cold.calls), cold.calls
         assert (2, (6, 7), []) in cold.calls
         assert set(cluster.builder.latency) == {1, 2} and len(list((tmp_path / "profiles").iterdir())) == 2
+        shapes = cluster.autoscaler.controller.shapes  # rounds priced as the decoders run them
+        assert shapes.length_buckets == (32,) and shapes.batch_buckets == (1,)
         cluster.reconfigure("1x2")  # an instance prepared beside serving ones: nothing is measured
         assert len(cold.calls) == 2 and [e.scheduler.latency for e in cluster.engines] == \
             [cluster.builder.latency[2]]
@@ -112,3 +114,17 @@ def test_every_tp_degree_is_measured_before_serving_off_serving_devices_then_rea
                 pytest.approx(cluster.builder.latency[tp].predict(StepKind.REFRESH, 1, 32, 8, tp))
     finally:
         again.stop()
+
+
+def test_the_controller_prices_rounds_with_the_decoders_buckets():
+    """serve hands the controller the length and batch buckets its decoders compile, so a round is
+    priced as one padded step per length bucket present (as the simulator's calibration does)."""
+    from types import SimpleNamespace
+    from dilaserve_jax.serving.executor.build import ServeConfig, step_shapes
+
+    cfg = ServeConfig(slots=8)
+    shapes = step_shapes(SimpleNamespace(cfg=cfg, lengths=(128, 256)))
+    assert shapes.length_buckets == (128, 256)
+    assert shapes.batch_buckets == (1, 2, 4, 8)
+    six = step_shapes(SimpleNamespace(cfg=dataclasses.replace(cfg, slots=6), lengths=(256,)))
+    assert six.batch_buckets[-1] >= 6 and six.length_buckets == (256,)

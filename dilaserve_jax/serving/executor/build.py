@@ -24,6 +24,8 @@ from dilaserve_jax.models.hf import abstract_params
 from dilaserve_jax.serving.policy import limits as defaults
 from dilaserve_jax.serving.cluster.autoscale import MODES, Autoscaler
 from dilaserve_jax.serving.cluster.cluster import Cluster
+from dilaserve_jax.decoding.decoder import DecoderConfig
+from dilaserve_jax.serving.policy.capacity import StepShapes
 from dilaserve_jax.serving.policy.controller import ClusterController, ControllerConfig
 from dilaserve_jax.serving.executor.instances import JaxInstanceBuilder, instance_info, instance_name
 from dilaserve_jax.serving.executor.latency_setup import (LatencySetup, Profiler, candidate_tp_degrees,
@@ -250,10 +252,18 @@ def start_controller(cluster: Cluster, builder: JaxInstanceBuilder, cfg: ServeCo
     ctl = ClusterController(cfg.controller_config, num_devices=len(builder.layout.devices), tp_degrees=tps,
                             latency=dict(builder.latency), slots=cfg.slots,
                             param_bytes=_param_bytes(builder.model.config), layouts=cfg.layouts or None,
-                            tau_floor=floor, prior=dict(builder.threshold.prior))
+                            tau_floor=floor, prior=dict(builder.threshold.prior), shapes=step_shapes(builder))
     cluster.autoscaler.set_controller(ctl)
     say(f"controller: {cfg.controller}, {len(ctl.candidates)} candidate layouts over TP {tps}; prices layouts at "
         f"τ down to {floor:g} (the lowest the accuracy budget allows)")
+
+
+def step_shapes(builder: JaxInstanceBuilder) -> StepShapes:
+    """How this server's decoder runs a step (its length and batch buckets), so the controller
+    prices a round as the instances will run it, as the simulator's calibration does."""
+    cfg = builder.cfg
+    batches = DecoderConfig(cfg.slots, builder.lengths, cfg.block_buckets, cfg.cache_mode).batch_buckets
+    return StepShapes(tuple(builder.lengths), tuple(batches))
 
 
 def _param_bytes(c) -> int:
