@@ -190,9 +190,9 @@ def test_mean_predicted_loss_stays_within_budget_over_a_long_random_stream(laten
 
 @pytest.mark.slow
 def test_spending_the_budget_on_evidence_does_not_lose_to_the_fixed_floor(latency):
-    # Both judge feasibility at the τ they may run at (the floor, or what the budget may grant), so
-    # the floor no longer over-admits; on this stream the two meet as many deadlines (137 of 150,
-    # was 132 for the floor when it was judged at τ_min), and the budget spends under half its allowance.
+    # Both judge feasibility at the τ the budget granted (the floor, or what it granted), so the
+    # floor no longer over-admits: on this stream 137 of 150 against the floor's 136 (the floor met
+    # 132 when feasibility was judged at τ_min), and the budget spends under half its allowance.
     floor, _ = stream(latency, 2.0, mode="floor")  # the fixed floor for 2 points is 0.9 here
     adaptive, engine = stream(latency, 2.0)
     assert 0.0 < engine.scheduler.quality().predicted_loss_mean <= 2.0

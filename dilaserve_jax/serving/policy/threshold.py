@@ -240,13 +240,6 @@ class ThresholdController:
         judged here: a request the budget holds at 0.9 does not finish at τ_min's speed."""
         return self._lowest.get(req.id, req.tau_min)
 
-    def fastest_grantable(self, req: Request) -> float:
-        """The lowest τ the budget could give it this round: τ_min where it grants by need (the plan
-        asks for it), the fixed floor in `floor` mode."""
-        if self.budget is not None and self.budget.cfg.mode == "floor":
-            return self.budget.floor(req, self.candidates(req))
-        return req.tau_min
-
     def feasible_at(self, req: Request, start: float, batch: int, step_time: StepTime,
                     tau: float | None = None) -> bool:
         """Can it meet its deadline at τ (default its lowest allowed), starting at `start` with this batch?"""
@@ -275,14 +268,15 @@ class ThresholdController:
         # the others' refresh share at their previous τ (or τ_max) sets how often refreshes interleave
         fracs = {r.id: self.refresh_fraction(r, self._last_tau.get(r.id, r.tau_max)) for r, _ in active}
         self.mean_refresh_fraction = sum(fracs.values()) / len(fracs)
-        # at risk: joining the others (deadline order) would make someone infeasible even at τ_min
-        # and start now; they run on spare capacity only, so the rest are planned without them
+        # at risk: joining the others (deadline order) would make someone infeasible even at the
+        # lowest τ the budget last granted it (τ_min before any grant), starting now; they run on
+        # spare capacity only, so the rest are planned without them
         risky: set[str] = set()
         members: list[Request] = []
         for req, _ in sorted(active, key=lambda a: (not a[1], a[0].deadline, a[0].arrival)):
             b = max(1, min(len(members) + 1, num_slots))
             group = [*members, req] if len(members) < num_slots else [req]
-            if all(self.feasible_at(r, now, b, step_time, self.fastest_grantable(r)) for r in group):
+            if all(self.feasible_at(r, now, b, step_time) for r in group):
                 members.append(req)
             else:
                 risky.add(req.id)
