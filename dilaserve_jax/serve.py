@@ -139,7 +139,8 @@ def _serve_ray_hosts(command: ServeCommand, config, options, http, args) -> int:
                   "several hosts; pick one")
         return 2
     if command.watch_checkpoints:
-        log.error("error: --watch-checkpoints is not available with --ray-address (weights swap on one host only)")
+        log.error("error: --watch-checkpoints is not available with --ray-address (the leader reads no checkpoints; "
+                  "ReloadWeights loads a step on every host)")
         return 2
     try:
         import ray
@@ -169,8 +170,12 @@ def _serve_ray_hosts(command: ServeCommand, config, options, http, args) -> int:
         cluster = hosts.start(step_timeout_s=None)  # each host watches its own runner calls
         log.info(f"serving {len(cluster.infos)} instance(s) on {len(hosts.links)} host(s): {cluster.layout}")
         if config.controller != "manual":
-            log.info("controller: manual across hosts (it does not choose layouts over several hosts yet); "
-                     "Reconfigure takes one layout per host, joined by '|'")
+            from dilaserve_jax.serving.cluster.hosts.hosts_control import start_hosts_controller
+
+            ctl = start_hosts_controller(hosts, config.controller_config, config.controller, config.layouts)
+            log.info(f"controller: {config.controller} across hosts, {len(ctl.candidates)} candidate layouts over "
+                     f"TP {list(ctl.tp_degrees)} (each host's devices in its own TP groups); a layout reads one part "
+                     f"per host, joined by '|'")
         return asyncio.run(_serve(cluster, options, None, http))
     finally:
         hosts.stop()

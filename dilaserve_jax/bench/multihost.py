@@ -115,7 +115,7 @@ def over_hosts(factory, node_ids, args, prefix: str = "r") -> dict:
         row = drive(cluster, args.requests, args.concurrency, args.answer, args.block, prefix, args.stream)
     finally:
         hosts.stop()
-    for key in ("apply", "poll", "ops", "reports"):
+    for key in ("apply", "poll", "ops", "reports", "step_counts"):
         row[f"{key}_calls" if key in ("apply", "poll") else key] = sum(l.calls[key] for l in hosts.links.values())
     row["leader_cpu_us_per_report"] = row["leader_cpu_us_per_request"] * row["requests"] / max(1, row["reports"])
     return row

@@ -4,13 +4,16 @@ from __future__ import annotations
 from typing import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
+from prometheus_client.utils import floatToGoString
 
+from dilaserve_jax.serving.cluster.hosts.step_tally import STEP_BUCKETS, TAU_BUCKETS, TOKEN_BUCKETS, Buckets
 from dilaserve_jax.serving.cluster.protocol import ServingCluster
 
-TAU_BUCKETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0)
-TOKEN_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
-STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+__all__ = ["ServingMetrics", "STEP_BUCKETS", "TAU_BUCKETS", "TOKEN_BUCKETS"]
+STEP_HELP = "Denoising step latency"
+TAU_HELP = "Threshold used per request step"
+TOKENS_HELP = "Tokens committed per request step"
 
 
 class _ClusterCollector:
@@ -79,17 +82,45 @@ class _ClusterCollector:
                                       "checkpoint watcher could not read and skipped", value=watch.skipped)
 
 
+class _HostStepCollector:
+    """The step histograms of instances on other hosts, from the counts their workers sent
+    (serving/cluster/hosts/step_tally.py): the one-process series with a `host` label."""
+
+    def __init__(self, totals) -> None:
+        self.totals = totals  # () -> {host: StepCounts}
+
+    def collect(self):
+        seconds = HistogramMetricFamily("dilaserve_step_seconds", STEP_HELP, labels=["kind", "host"])
+        tau = HistogramMetricFamily("dilaserve_tau", TAU_HELP, labels=["host"])
+        tokens = HistogramMetricFamily("dilaserve_tokens_per_step", TOKENS_HELP, labels=["host"])
+        for host, counts in sorted(self.totals().items()):
+            for kind, buckets in sorted(counts.seconds.items()):
+                seconds.add_metric([kind, host], _cumulative(buckets), buckets.total)
+            tau.add_metric([host], _cumulative(counts.tau), counts.tau.total)
+            tokens.add_metric([host], _cumulative(counts.tokens), counts.tokens.total)
+        yield from (seconds, tau, tokens)
+
+
+def _cumulative(buckets: Buckets) -> list[tuple[str, int]]:
+    return [(floatToGoString(bound), n) for bound, n in buckets.cumulative()]
+
+
 class ServingMetrics:
     def __init__(self, cluster: ServingCluster | None = None, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter("dilaserve_requests", "Finished calls by outcome", ["outcome"], registry=r)
         self.deadlines = Counter("dilaserve_deadlines", "Completed requests by deadline result", ["result"], registry=r)
-        self.step_seconds = Histogram("dilaserve_step_seconds", "Denoising step latency", ["kind"],
-                                      buckets=STEP_BUCKETS, registry=r)
-        self.tau = Histogram("dilaserve_tau", "Threshold used per request step", buckets=TAU_BUCKETS, registry=r)
-        self.tokens_per_step = Histogram("dilaserve_tokens_per_step", "Tokens committed per request step",
-                                         buckets=TOKEN_BUCKETS, registry=r)
+        host_steps = getattr(cluster, "host_steps", None)  # a leader over other hosts: they count the steps
+        if host_steps is None:
+            self.step_seconds = Histogram("dilaserve_step_seconds", STEP_HELP, ["kind"], buckets=STEP_BUCKETS,
+                                          registry=r)
+            self.tau = Histogram("dilaserve_tau", TAU_HELP, buckets=TAU_BUCKETS, registry=r)
+            self.tokens_per_step = Histogram("dilaserve_tokens_per_step", TOKENS_HELP, buckets=TOKEN_BUCKETS,
+                                             registry=r)
+        else:
+            self.step_seconds = self.tau = self.tokens_per_step = None
+            r.register(_HostStepCollector(host_steps))
         self.failures = Counter("dilaserve_instance_failures", "Instances that failed (runner fault, dead loop, "
                                 "watchdog)", ["instance"], registry=r)
         self.migrations = Counter("dilaserve_migrations", "Requests moved between instances", ["reason"], registry=r)
@@ -103,6 +134,8 @@ class ServingMetrics:
 
     def step_hook(self, name: str, plan, outcomes: Sequence, t0: float, t1: float) -> None:
         """Engine step hook (runs on the engine thread)."""
+        if self.step_seconds is None:  # no engine here (a leader over other hosts)
+            return
         self.step_seconds.labels(kind=plan.kind.label).observe(t1 - t0)
         for tau, outcome in zip(plan.taus, outcomes):
             self.tau.observe(tau)

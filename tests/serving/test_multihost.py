@@ -1,6 +1,7 @@
 """Serving across hosts with Ray: one endpoint over two local Ray nodes, each node's worker process
-running two fake-runner instances; migration between hosts, SIGKILL of a worker under load, and
-the worker coming back. One Ray cluster for the whole module (start-up is the expensive part);
+running two fake-runner instances; migration between hosts, SIGKILL of a worker under load, the
+worker coming back, the hosts' step metrics, weight reloads on every host, and the controller
+reshaping one host. One Ray cluster for the whole module (start-up is the expensive part);
 the tests run in file order and the later ones use the state the earlier ones leave."""
 import os
 import signal
@@ -30,7 +31,7 @@ def _limits(tok):
 
 
 @pytest.fixture(scope="module")
-def multihost():
+def multihost(tmp_path_factory):
     from ray.cluster_utils import Cluster as RayCluster
 
     nodes = RayCluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 100 * MB,
@@ -42,7 +43,9 @@ def multihost():
                      join_interval_s=0.3)
     server = None
     try:
-        server = ServerThread(hosts.start(step_timeout_s=None)).ready()
+        weights = tmp_path_factory.mktemp("weights")  # where ReloadWeights may read (the fake hosts' weights)
+        server = ServerThread(hosts.start(step_timeout_s=None), weights_roots=(str(weights),)).ready()
+        server.weights_root = weights
         yield server, hosts
     finally:
         if server is not None:
@@ -173,3 +176,68 @@ def test_leader_throughput_benchmark_measures_through_workers(multihost):
     row = over_hosts(factory, [next(iter(hosts.links))], args, prefix="bench-")
     assert row["requests"] == 40 and row["lost"] == 0 and row["steps"] >= 40 * 2 and row["reports"] >= 40
     assert row["requests_per_s"] > 0 and row["leader_cpu_us_per_request"] > 0
+
+
+def _metric(body: str, line_start: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(line_start))
+
+
+def test_every_hosts_step_metrics_reach_the_leader_with_their_host(multihost):
+    server, hosts = multihost
+    before = hosts.step_totals()
+    with server.client() as c, ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda p: c.generate(p, max_new_tokens=32, block_length=16), PROMPTS[:16]))
+
+    def added(what):
+        now = hosts.step_totals()
+        return sum(what(now[h]) - (what(before[h]) if h in before else 0) for h in now)
+
+    t_end = time.monotonic() + 10  # the last steps' counts travel with a later poll than the results
+    while added(lambda c: c.tokens.total) < 16 * 32 and time.monotonic() < t_end:
+        time.sleep(0.02)
+    assert added(lambda c: c.tokens.total) == 16 * 32  # every token committed, counted once
+    assert added(lambda c: c.tau.count) == sum(r.steps for r in got)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.running.metrics_port}/metrics", timeout=10).read().decode()
+    for host in {_host_of(r.instance) for r in got}:
+        assert _metric(body, f'dilaserve_step_seconds_count{{host="{host}",kind="reuse"}}') > 0
+        assert _metric(body, f'dilaserve_tokens_per_step_sum{{host="{host}"}}') == hosts.step_totals()[host].tokens.total
+    assert _metric(body, "dilaserve_tau_count{") == sum(c.tau.count for c in hosts.step_totals().values())
+
+
+def test_reload_weights_swaps_on_every_host_or_on_none(multihost, one_process_answers):
+    import grpc
+
+    server, hosts = multihost
+    cluster, root = hosts.cluster, server.weights_root
+    live = cluster.builder.live_hosts()
+    broken, good = root / "broken", root / "good"
+    broken.mkdir()
+    good.mkdir()
+    (broken / f"unreadable-on-{live[1]}").touch()
+
+    def answers(c):
+        with ThreadPoolExecutor(16) as pool:
+            return list(pool.map(lambda p: c.generate(p, max_new_tokens=32, block_length=16), PROMPTS[:16]))
+
+    with server.client() as c:
+        with pytest.raises(grpc.RpcError) as refused:
+            c.reload_weights(str(broken), step=5)  # the first host loaded it, then put its old weights back
+        unchanged = answers(c)
+        reply = c.reload_weights(str(good), step=5)
+        prompt = tuple(range(3, 40))
+        direct = []
+        for host in live:  # one request on each host, with known prompt tokens
+            now = time.monotonic()
+            name = next(i.name for i in cluster.infos if i.host == host)
+            direct.append(cluster.submit(Request(f"w5-{host}", prompt, 32, 16, now, now + 60), instance=name).result(30))
+        changed = answers(c)
+        state = c.cluster_state()
+        c.reload_weights(str(good), step=0)  # back to the weights the other tests expect
+        back = answers(c)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"on host {live[1]}" in refused.value.details()
+    assert [r.text for r in unchanged] == one_process_answers[:16]
+    assert reply.model == f"fake:{good}@5" and state.reloads == 1 and state.model == reply.model
+    assert [r.tokens for r in direct] == [letter_answer(prompt, 32, weights=5)] * len(live)
+    assert all(a.text != b for a, b in zip(changed, one_process_answers))  # every call ran on the new weights
+    assert len({_host_of(r.instance) for r in changed}) == 2
+    assert [r.text for r in back] == one_process_answers[:16]

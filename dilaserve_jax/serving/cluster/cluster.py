@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from dilaserve_jax.serving.cluster.admin import ClusterAdmin, ClusterBusy
 from dilaserve_jax.serving.cluster.autoscale import Autoscaler
@@ -75,6 +75,7 @@ class Cluster:
         self.builder = builder
         self.autoscaler: Autoscaler | None = None  # runs the cluster controller; set by whoever builds the cluster
         self.checkpoint_watch: Callable[[], CheckpointWatchState] | None = None  # a watcher's progress, if any
+        self.host_steps: Callable[[], Mapping[str, Any]] | None = None  # other hosts' step metrics, by host
         self.background: list[threading.Thread] = []  # set-up work that stop() waits for
         self.reconfigurations: list[ReshapeReport] = []  # newest last
         self._watchdog: threading.Thread | None = None

@@ -27,6 +27,7 @@ from dilaserve_jax.serving.cluster.cluster import Cluster
 from dilaserve_jax.decoding.decoder import DecoderConfig
 from dilaserve_jax.serving.policy.capacity import StepShapes
 from dilaserve_jax.serving.policy.controller import ClusterController, ControllerConfig
+from dilaserve_jax.serving.policy.hosts_controller import ControlInputs
 from dilaserve_jax.serving.executor.instances import JaxInstanceBuilder, instance_info, instance_name
 from dilaserve_jax.serving.executor.latency_setup import (LatencySetup, Profiler, candidate_tp_degrees,
                                                           tp_degrees_to_cover)
@@ -168,12 +169,14 @@ def load_serving_model(cfg: ServeConfig, layout: Layout, source: str | None = No
 
 
 def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print, *, layout: Layout | None = None,
-                  model: ServingModel | None = None, profiler: Profiler | None = None) -> Cluster:
+                  model: ServingModel | None = None, profiler: Profiler | None = None,
+                  run_controller: bool = True) -> Cluster:
     """Load, lay out and compile; returns a Cluster whose warm_up() compiles every instance, gives
     every TP degree it may run a latency model (serving/executor/latency_setup.py) and (unless
     --controller manual) starts the cluster controller, all before it serves. `layout` and `model`
     (already placed in it, e.g. from memory) replace building and loading them; `profiler` replaces
-    `profiling.measure_profile`."""
+    `profiling.measure_profile`; `run_controller=False` covers the degrees but starts no controller
+    (a host of a multi-host server, whose leader's controller decides)."""
     layout = layout or share_layout(cfg.mesh, cfg.devices, allow_unused=cfg.allow_unused_devices)
     share = f"devices {list(cfg.devices)} of " if cfg.devices is not None else ""
     say(f"layout {layout} on {share}{jax.device_count()} {jax.devices()[0].platform} device(s)")
@@ -211,7 +214,7 @@ def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print, *, layou
         setup.cover(cluster, tp_degrees_to_cover(cfg, model.config, layout))
         for engine in cluster.engines:
             engine.set_latency_model(builder.latency_for(engine.runner.tp_degree)).result()
-        if cfg.controller != "manual" and not cluster.stopping:
+        if run_controller and cfg.controller != "manual" and not cluster.stopping:
             start_controller(cluster, builder, cfg, say)
 
     cluster = Cluster(engines, infos, layout=str(layout.spec), policy=cfg.policy, model_source=model.source,
@@ -244,11 +247,7 @@ def _say_memory(cfg: ServeConfig, model_cfg, builder, instances, length: int, sa
 def start_controller(cluster: Cluster, builder: JaxInstanceBuilder, cfg: ServeConfig, say) -> None:
     """Hand the controller to the cluster's autoscaler, over the candidate TP degrees that have a
     latency model (all of them, but those this process's devices cannot hold)."""
-    tps = [t for t in candidate_tp_degrees(cfg, builder.model.config, len(builder.layout.devices))
-           if t in builder.latency]
-    quality = builder.threshold.quality
-    floor = cfg.tau_min if quality is None or cfg.tau_max is None else \
-        quality.free_floor(cfg.tau_min, cfg.tau_max, builder.threshold.grid)
+    tps, floor = controlled_tp_degrees(builder, cfg), tau_floor(builder, cfg)
     ctl = ClusterController(cfg.controller_config, num_devices=len(builder.layout.devices), tp_degrees=tps,
                             latency=dict(builder.latency), slots=cfg.slots,
                             param_bytes=_param_bytes(builder.model.config), layouts=cfg.layouts or None,
@@ -256,6 +255,29 @@ def start_controller(cluster: Cluster, builder: JaxInstanceBuilder, cfg: ServeCo
     cluster.autoscaler.set_controller(ctl)
     say(f"controller: {cfg.controller}, {len(ctl.candidates)} candidate layouts over TP {tps}; prices layouts at "
         f"τ down to {floor:g} (the lowest the accuracy budget allows)")
+
+
+def controlled_tp_degrees(builder: JaxInstanceBuilder, cfg: ServeConfig) -> list[int]:
+    """The candidate TP degrees that have a latency model."""
+    return [t for t in candidate_tp_degrees(cfg, builder.model.config, len(builder.layout.devices))
+            if t in builder.latency]
+
+
+def tau_floor(builder: JaxInstanceBuilder, cfg: ServeConfig) -> float:
+    """The lowest τ the controller prices layouts at: the lowest the accuracy budget allows."""
+    quality = builder.threshold.quality
+    return cfg.tau_min if quality is None or cfg.tau_max is None else \
+        quality.free_floor(cfg.tau_min, cfg.tau_max, builder.threshold.grid)
+
+
+def control_inputs(builder: JaxInstanceBuilder) -> ControlInputs:
+    """What the controller needs of these devices once warm (a host of a multi-host server sends
+    it to its leader), from the builder's settings."""
+    cfg = builder.cfg
+    tps = controlled_tp_degrees(builder, cfg)
+    return ControlInputs(len(builder.layout.devices), tuple(tps), {t: builder.latency[t] for t in tps}, cfg.slots,
+                         _param_bytes(builder.model.config), tau_floor(builder, cfg), dict(builder.threshold.prior),
+                         step_shapes(builder))
 
 
 def step_shapes(builder: JaxInstanceBuilder) -> StepShapes:

@@ -5,12 +5,17 @@ reshapes them into any power-of-two layout); their steps really sleep (`step_s` 
 times that a refresh), emitting lower-case letters so answers decode as text. Their tokens
 depend only on the prompt and the position, so an answer is the same whichever host or how many
 hosts ran it — what lets tests check that moving requests between hosts changes nothing.
+
+Their "weights" are one number (the fake runner's): a reload from a directory with step N makes
+every later token depend on N (`letter_answer(..., weights=N)`); a directory holding a file
+`unreadable-on-<host>` cannot be loaded on that host, for tests of a reload that fails on one.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 from dilaserve_jax.core.kinds import StepKind
@@ -19,8 +24,13 @@ from dilaserve_jax.serving.cluster.builder import InstanceInfo
 from dilaserve_jax.serving.cluster.engine import Engine
 from dilaserve_jax.serving.cluster.fake_runner import FakeRunner, fake_tp_profile
 from dilaserve_jax.serving.cluster.hosts.worker import HostBuild
+from dilaserve_jax.serving.cluster.weights_swap import NewWeights, WeightsError
+from dilaserve_jax.serving.policy.hosts_controller import ControlInputs
 from dilaserve_jax.serving.policy.latency import LatencyModel
 from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
+from dilaserve_jax.serving.policy.threshold import DEFAULT_PRIOR
+
+FAKE_PARAM_BYTES = 64 * 2**20  # what the controller prices a fake host's resharding at
 
 
 class LetterFakeRunner(FakeRunner):
@@ -36,9 +46,9 @@ class LetterFakeRunner(FakeRunner):
                          out.block_finished, out.request_finished, answer=answer)
 
 
-def letter_answer(prompt, answer_length: int) -> tuple[int, ...]:
+def letter_answer(prompt, answer_length: int, weights: int = 0) -> tuple[int, ...]:
     """What LetterFakeRunner commits for a prompt, wherever and in how many pieces it ran."""
-    return tuple(97 + (10 + (sum(prompt) * 31 + p * 7) % 1000) % 26 for p in range(answer_length))
+    return tuple(97 + (10 + (sum(prompt) * 31 + p * 7 + weights * 13) % 1000) % 26 for p in range(answer_length))
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +66,8 @@ class FakeHostFactory:
         infos = builder.plan(f"{self.instances}x1")
         engines, _, _ = builder.build(infos, f"{self.instances}x1")
         return HostBuild(engines, [dataclasses.replace(i, host=host) for i in infos], self.tokenizer, self.limits,
-                         self.policy, "fake", "fake", builder=builder)
+                         self.policy, "fake", "fake", builder=builder, control=builder.control_inputs,
+                         weights=FakeHostWeights(host, builder))
 
 
 class FakeHostBuilder:
@@ -65,6 +76,14 @@ class FakeHostBuilder:
     def __init__(self, factory: FakeHostFactory) -> None:
         self.factory = factory
         self.latency = LatencyModel.from_profile(fake_tp_profile())
+        self.weights = 0  # what new instances are built with
+        self.names: list[str] = []  # the instances now
+
+    def control_inputs(self) -> ControlInputs:
+        n = self.factory.instances
+        tps = tuple(t for t in self.latency.tp_degrees if t <= n)
+        return ControlInputs(n, tps, {t: self.latency for t in tps}, self.factory.slots, FAKE_PARAM_BYTES, 0.5,
+                             dict(DEFAULT_PRIOR))
 
     def plan(self, spec: str) -> list[InstanceInfo]:
         tps = parse_layout(spec)
@@ -88,15 +107,39 @@ class FakeHostBuilder:
         engines = []
         for info in add:
             runner = LetterFakeRunner(f.slots, real_sleep=True, tp_degree=info.tp_degree, step_time=step_time)
+            runner.weights = self.weights
             cfg = SchedulerConfig(num_slots=f.slots, policy=f.policy, max_queue=f.max_queue, tp=info.tp_degree)
             engines.append(Engine(runner, Scheduler(cfg, self.latency), clock=time.monotonic, name=info.name))
+        self.names = [*self.names, *(i.name for i in add if i.name not in self.names)]
         return engines, 0, 0.0
 
     def prepare(self, engine: Engine) -> None:
         pass
 
     def release(self, names: Sequence[str]) -> None:
-        pass
+        self.names = [n for n in self.names if n not in set(names)]
 
     def compiled_placements(self) -> frozenset[tuple[int, int]]:
         return frozenset()
+
+
+class FakeHostWeights:
+    """A fake host's reloads: the weights of step N of an existing directory are the number N."""
+
+    def __init__(self, host: str, builder: FakeHostBuilder) -> None:
+        self.host, self.builder, self._before = host, builder, 0
+
+    def load(self, source: str, step: int | None) -> NewWeights:
+        directory = Path(source)
+        if not directory.is_dir():
+            raise WeightsError(f"cannot load weights from {source!r}: not a directory")
+        if (directory / f"unreadable-on-{self.host}").exists():
+            raise WeightsError(f"cannot load weights from {source!r} on host {self.host}")
+        self._before, self.builder.weights = self.builder.weights, step or 0
+        return NewWeights(f"fake:{source}@{step or 0}", {name: self.builder.weights for name in self.builder.names})
+
+    def undo(self) -> None:
+        self.builder.weights = self._before
+
+    def settle(self) -> None:
+        self._before = self.builder.weights

@@ -34,6 +34,14 @@ class HostsBuilder:
     def __init__(self, hosts: "RayHosts") -> None:
         self.hosts = hosts
 
+    def live_hosts(self) -> list[str]:
+        """Every live host, in the order a layout lists their parts."""
+        return [h for h, _ in self._live()]
+
+    def actor(self, host: str):
+        """The worker actor of a live host."""
+        return self._actor(host)
+
     def _live(self) -> list[tuple[str, object]]:
         """(host, link) of every live host, in the order of the cluster's layout."""
         links = {link.host: link for link in self.hosts.links.values() if link.lost is None}

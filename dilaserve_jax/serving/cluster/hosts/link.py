@@ -3,7 +3,8 @@
 Two threads per host. The sender sends the operations queued since its last call as one ordered
 batch and waits for it to be applied, so a batch never overtakes the one before (the worker
 serves several calls at once). The poller long-polls the worker's reports and hands each to the
-instance it names, in the order the worker made them, then the instances' snapshots. Either call
+instance it names, in the order the worker made them (the host's step counts go to the leader's
+step totals), then the instances' snapshots. Either call
 failing with `HostLost` (the worker process died: Ray raises `RayActorError` on the call in
 flight) fails every instance of the host, which re-queues their requests on the survivors.
 
@@ -18,6 +19,7 @@ import threading
 from typing import Callable, Protocol, Sequence
 
 from dilaserve_jax.serving.cluster.hosts.remote_engine import HostLost, RemoteEngine
+from dilaserve_jax.serving.cluster.hosts.step_tally import HostStepTotals
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +81,10 @@ class RayTransport:
 
 class HostLink:
     def __init__(self, host: str, transport: Transport, poll_wait_s: float = 0.05,
-                 on_lost: Callable[["HostLink", BaseException], None] | None = None) -> None:
+                 on_lost: Callable[["HostLink", BaseException], None] | None = None,
+                 step_totals: HostStepTotals | None = None) -> None:
         self.host, self.transport, self.poll_wait_s, self.on_lost = host, transport, poll_wait_s, on_lost
+        self.step_totals = step_totals  # where the host's step counts go (None: dropped)
         self.engines: dict[str, RemoteEngine] = {}  # by the name on the host
         self.lost: BaseException | None = None
         self._cv = threading.Condition()
@@ -89,7 +93,7 @@ class HostLink:
         self._acked = 0  # operations the host has applied
         self._stop = False
         self._threads: list[threading.Thread] = []
-        self.calls = {"apply": 0, "poll": 0, "ops": 0, "reports": 0}  # what crossed, for the benchmark
+        self.calls = {"apply": 0, "poll": 0, "ops": 0, "reports": 0, "step_counts": 0}  # what crossed (benchmark)
 
     def attach(self, engines: Sequence[RemoteEngine]) -> None:
         self.engines = {e.local_name: e for e in engines}
@@ -156,8 +160,13 @@ class HostLink:
                 self._lose(err)
                 return
             self.calls["poll"] += 1
-            self.calls["reports"] += len(reports)
             for report in reports:
+                if report[0] == "steps":
+                    self.calls["step_counts"] += 1
+                    if self.step_totals is not None:
+                        self.step_totals.add(self.host, report[2])
+                    continue
+                self.calls["reports"] += 1
                 try:
                     self.engines[report[1]].reported(report)
                 except Exception:  # noqa: BLE001 - one bad report must not stop the others

@@ -8,7 +8,8 @@ never spans hosts). The leader sees each remote instance through a `RemoteEngine
 and tells us when a worker dies (the call in flight raises `RayActorError`); that host's
 instances are marked failed and their requests continue on the survivors. A joiner thread looks
 for alive nodes without a live worker (a new node, or one whose worker died) and starts one; its
-instances join the serving set.
+instances join the serving set. Weight reloads load on every host and swap at the leader
+(hosts_weights.py); the hosts' step metrics add up in `step_totals` (step_tally.py).
 
 Ray is imported only here, inside functions, so the package imports without it.
 """
@@ -23,8 +24,10 @@ from dilaserve_jax.core.layouts import layout_text
 from dilaserve_jax.serving.cluster.builder import InstanceInfo
 from dilaserve_jax.serving.cluster.cluster import Cluster
 from dilaserve_jax.serving.cluster.hosts.hosts_builder import HostsBuilder, hosts_layout
+from dilaserve_jax.serving.cluster.hosts.hosts_weights import HostsWeights
 from dilaserve_jax.serving.cluster.hosts.link import HostLink, RayTransport
-from dilaserve_jax.serving.cluster.hosts.remote_engine import RemoteEngine
+from dilaserve_jax.serving.cluster.hosts.remote_engine import HostLost, RemoteEngine
+from dilaserve_jax.serving.cluster.hosts.step_tally import HostStepTotals
 from dilaserve_jax.serving.cluster.hosts.worker import HostFactory, HostInfo, HostWorker
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,9 @@ class RayHosts:
         self.watchdog_s, self.env_vars, self.say = watchdog_s, dict(env_vars or {}), say
         self.links: dict[str, HostLink] = {}  # node id -> its latest link
         self.actors: dict[str, Any] = {}
+        self.host_infos: dict[str, HostInfo] = {}  # by host: what its latest worker said of itself
+        self.step_totals = HostStepTotals()  # every host's step metrics
+        self.weights = HostsWeights(self)
         self.cluster: Cluster | None = None
         self.joins = 0  # hosts that joined after start-up
         self._stop = threading.Event()
@@ -70,7 +76,9 @@ class RayHosts:
         first: HostInfo = joined[0][2]
         self.cluster = Cluster(engines, infos, layout=hosts_layout(infos), policy=first.policy,
                                model_source=first.model_source, tokenizer=first.tokenizer, limits=first.limits,
-                               family=first.family, builder=HostsBuilder(self), **cluster_kw)
+                               family=first.family, builder=HostsBuilder(self), loader=self.weights.load,
+                               **cluster_kw)
+        self.cluster.host_steps = self.step_totals
         for link in self.links.values():
             link.start()
         self._joiner = threading.Thread(target=self._join_loop, name="ray-hosts-joiner", daemon=True)
@@ -98,7 +106,7 @@ class RayHosts:
         info: HostInfo = ray.get(actor.info.remote())  # waits for its engines to be built and warm
         ray.get(actor.set_clock_offset.remote(_clock_offset(actor)))
         _, snapshots = ray.get(actor.poll.remote(0.0))
-        link = HostLink(info.host, RayTransport(actor), self.poll_wait_s)
+        link = HostLink(info.host, RayTransport(actor), self.poll_wait_s, step_totals=self.step_totals)
         engines, infos = [], []
         for local in info.infos:
             name = f"{info.host}/{local.name}"
@@ -106,6 +114,7 @@ class RayHosts:
             infos.append(InstanceInfo(name, local.tp_degree, local.device_ids, info.host))
         link.attach(engines)
         self.links[node["NodeID"]], self.actors[node["NodeID"]] = link, actor
+        self.host_infos[info.host] = info
         self.say(f"host {info.host} (pid {info.pid}): {len(engines)} instance(s) "
                  f"{layout_text([i.tp_degree for i in infos])}")
         return engines, infos, info
@@ -125,7 +134,15 @@ class RayHosts:
             link = self.links.get(node["NodeID"])
             if self._stop.is_set() or (link is not None and link.lost is None):
                 continue
-            engines, infos, _ = self._connect(node, self._launch(node))
+            actor = self._launch(node)
+            engines, infos, _ = self._connect(node, actor)
+            try:
+                self.weights.bring_up_to_date(actor)
+            except Exception as err:  # noqa: BLE001 - not admitted; a new worker is tried next round
+                log.exception("host %s could not load the weights the others serve", infos[0].host if infos else "?")
+                self.links[node["NodeID"]]._lose(HostLost(f"could not load the served weights: {err}"))
+                _kill(actor)
+                continue
             self._admit(engines, infos)
             self.links[node["NodeID"]].start()
             joined += 1
@@ -151,8 +168,6 @@ class RayHosts:
 
     # --- shutdown ---
     def stop(self) -> None:
-        import ray
-
         self._stop.set()
         if self._joiner is not None:
             self._joiner.join(10)
@@ -161,10 +176,16 @@ class RayHosts:
         for link in self.links.values():
             link.stop()
         for actor in self.actors.values():
-            try:
-                ray.kill(actor)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+            _kill(actor)
+
+
+def _kill(actor) -> None:
+    import ray
+
+    try:
+        ray.kill(actor)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
 
 
 def _clock_offset(actor, samples: int = 5) -> float:

@@ -7,8 +7,10 @@ worker's own, fresher state; when the host is lost, the copies go to the survivo
 at the last report, and their next step there is a refresh. So routing, migration, re-queueing
 and reconfiguration run the cluster's own code over local and remote engines alike.
 
-Not carried: `call` and weight swaps (they run functions on the engine thread, which is in
-another process) and step hooks (the step plans stay on the host).
+A weight swap is an operation like the others: the host swaps the weights its worker loaded for
+this instance (see hosts_weights.py) and reports when. Not carried: `call` (it runs a function on
+the engine thread, which is in another process) and step hooks (the step plans stay on the host;
+the worker counts the step metrics there, see step_tally.py).
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ class RemoteEngine:
         self._copies: dict[str, tuple[Request, Future, ProgressFn | None]] = {}
         self._pending: dict[str, tuple[float, int]] = {}  # sent, not yet in a host snapshot: (seconds, seq)
         self._handovers: dict[int, Future] = {}
+        self._swaps: dict[int, Future] = {}
         self._remote = dataclasses.replace(first, name=name)
 
     # --- the Engine interface the cluster uses ---
@@ -84,8 +87,18 @@ class RemoteEngine:
         fut.set_exception(EngineUnavailable(f"instance {self.name} runs on another host: no calls on its thread"))
         return fut
 
-    def swap_weights(self, params) -> Future:
-        return self.call(lambda: None)
+    def swap_weights(self, params=None) -> Future:
+        """Swap in the weights the host's worker loaded for this instance (`params`: only a label
+        here; the arrays stay on the host). The result is the swap's clock time."""
+        fut: Future = Future()
+        token = next(_tokens)
+        with self._lock:
+            if self._state in (EngineState.STOPPED, EngineState.FAILED):
+                fut.set_exception(EngineUnavailable(f"instance {self.name} is {self._state.name.lower()}", self.error))
+                return fut
+            self._swaps[token] = fut
+        self.link.send(("swap", self.local_name, token))
+        return fut
 
     def set_latency_model(self, latency) -> Future:
         return self.call(lambda: None)
@@ -131,7 +144,8 @@ class RemoteEngine:
                 self._state = EngineState.STOPPED
             copies, self._copies = self._copies, {}
             self._pending.clear()
-        for _, fut, _ in copies.values():
+            swaps, self._swaps = self._swaps, {}
+        for fut in [*(f for _, f, _ in copies.values()), *swaps.values()]:
             fail_future(fut, EngineUnavailable(f"instance {self.name} stopped"))
 
     def check_hung(self, limit_s: float, now: float | None = None) -> bool:
@@ -147,6 +161,8 @@ class RemoteEngine:
             copies, self._copies = self._copies, {}
             self._pending.clear()
             waiters, self._handovers = self._handovers, {}
+            waiters.update(self._swaps)
+            self._swaps = {}
         for w in waiters.values():
             fail_future(w, EngineUnavailable(f"instance {self.name} failed", error))
         ratios = {}
@@ -216,6 +232,18 @@ class RemoteEngine:
         elif kind == "failed":
             _, _, fault, items = report
             self.fail(RuntimeError(f"on host {self.link.host}: {fault}"), items)
+        elif kind == "swapped":
+            _, _, token, at, fault = report
+            with self._lock:
+                fut = self._swaps.pop(token, None)
+            if fut is None:
+                return
+            if fault is None:
+                resolve_future(fut, at)
+            elif fault == "unavailable":
+                fail_future(fut, EngineUnavailable(f"instance {self.name} failed or stopped during a weight swap"))
+            else:
+                fail_future(fut, RuntimeError(f"weight swap on host {self.link.host}: {fault}"))
 
     def host_snapshot(self, snap: EngineSnapshot, acked_seq: int) -> None:
         """The host's snapshot, taken after it had applied operations up to `acked_seq`."""

@@ -9,6 +9,12 @@ back through one ordered report buffer that the leader drains with `poll`:
   ("done", instance, request id, result)                 a request finished
   ("handed", instance, token, [(request, speed ratio)])  a hand-over the leader asked for
   ("failed", instance, fault, [(request, speed ratio)])  an instance failed; its requests
+  ("swapped", instance, token, clock time, fault)        a weight swap the leader asked for
+  ("steps", "", StepCounts)                              the host's step metrics since the last poll
+
+Weights reach a host in two phases (the leader's `HostsWeights`): `load_weights` reads and places
+them on this host's instances, then one "swap" operation per instance swaps them in between two of
+its steps; `undo_weights` puts the previous ones back when another host could not load them.
 
 How often a request's commits are reported: after every step when its caller streams (the
 report carries the step's progress for the stream), else at the end of every block (the records
@@ -35,7 +41,10 @@ from typing import Any, Callable, Protocol, Sequence
 
 from dilaserve_jax.serving.cluster.builder import InstanceBuilder, InstanceInfo
 from dilaserve_jax.serving.cluster.engine import Engine
-from dilaserve_jax.serving.cluster.engine_types import EngineUnavailable, Handoff, StepProgress
+from dilaserve_jax.serving.cluster.engine_types import EngineUnavailable, Handoff, StepProgress, describe_error
+from dilaserve_jax.serving.cluster.hosts.step_tally import StepTally
+from dilaserve_jax.serving.cluster.weights_swap import NewWeights
+from dilaserve_jax.serving.policy.hosts_controller import ControlInputs
 from dilaserve_jax.serving.policy.request import Request
 
 log = logging.getLogger(__name__)
@@ -58,6 +67,24 @@ class HostBuild:
     family: str = ""
     warm_up: Callable[[], None] | None = None  # after the engines started: compile and warm them
     builder: InstanceBuilder | None = None  # reshapes this host's layout (None: it is fixed)
+    control: Callable[[], ControlInputs] | None = None  # after warm-up: what the leader's controller needs
+    weights: "HostWeights | None" = None  # reloads (None: this host cannot reload)
+
+
+class HostWeights(Protocol):
+    """A host's weight reloads: `load` reads new weights and places them on every current instance
+    (they become the ones new instances are built from); `undo` puts back those from before the
+    last `load` (another host could not load them); `settle`: every instance swapped the new ones
+    in, the previous ones need not be kept."""
+
+    def load(self, source: str, step: int | None) -> NewWeights:
+        ...
+
+    def undo(self) -> None:
+        ...
+
+    def settle(self) -> None:
+        ...
 
 
 class HostFactory(Protocol):
@@ -79,6 +106,7 @@ class HostInfo:
     policy: str
     model_source: str
     family: str
+    control: ControlInputs | None = None
 
 
 @dataclass(slots=True)
@@ -108,8 +136,11 @@ class HostWorker:
         self._offset_s = 0.0
         self._cv = threading.Condition()
         self._reports: list[tuple] = []
+        self.steps = StepTally()  # every engine's steps, for the leader's step metrics
+        self._loaded: dict[str, Any] = {}  # weights loaded, not yet swapped in, by instance
         for e in built.engines:
             e.on_failure = self._instance_failed
+            e.add_step_hook(self.steps)
             e.start()
         if built.warm_up is not None:
             built.warm_up()
@@ -120,7 +151,7 @@ class HostWorker:
     def info(self) -> HostInfo:
         b = self._built
         return HostInfo(self.host, os.getpid(), tuple(b.infos), b.tokenizer, b.limits, b.policy, b.model_source,
-                        b.family)
+                        b.family, b.control() if b.control is not None else None)
 
     def pid(self) -> int:
         return os.getpid()
@@ -150,6 +181,7 @@ class HostWorker:
         for e in engines:
             e.on_failure = self._instance_failed
             e.clock = partial(_shifted, self._offset_s)
+            e.add_step_hook(self.steps)
             e.start()
             builder.prepare(e)
         self.engines = {**self.engines, **{e.name: e for e in engines}}
@@ -162,6 +194,50 @@ class HostWorker:
         for e in gone:
             e.stop(5.0)
         self._builder().release(names)
+
+    # --- weights (the leader's reload drives it, see hosts_weights.py) ---
+    def load_weights(self, source: str, step: int | None) -> tuple[str, tuple[str, ...]]:
+        """Read new weights and place them on this host's instances (not swapped in yet); returns
+        their label and the instances they are for. Raises what the loader raises."""
+        if self._built.weights is None:
+            raise ValueError(f"host {self.host} cannot reload weights")
+        new = self._built.weights.load(source, step)
+        self._loaded = {n: p for n, p in new.params.items() if n in self.engines and self.engines[n].healthy}
+        return new.source, tuple(self._loaded)
+
+    def undo_weights(self) -> None:
+        """Drop the weights loaded and put the previous ones back."""
+        self._loaded = {}
+        if self._built.weights is not None:
+            self._built.weights.undo()
+
+    def reload_now(self, source: str, step: int | None, timeout: float = 600.0) -> str:
+        """Load and swap in at once, on every instance (a host that joins after a reload, before it
+        serves); returns the weights' label."""
+        label, names = self.load_weights(source, step)
+        swaps = [self.engines[n].swap_weights(self._loaded.pop(n)) for n in names if n in self.engines]
+        for fut in swaps:
+            fut.result(timeout)
+        self._built.weights.settle()
+        self._built = dataclasses.replace(self._built, model_source=label)
+        return label
+
+    def _swap(self, name: str, token: int) -> None:
+        if name not in self._loaded:
+            self._report(("swapped", name, token, None, f"no weights were loaded for instance {name}"))
+            return
+        params = self._loaded.pop(name)
+        if not self._loaded:
+            self._built.weights.settle()
+        self.engines[name].swap_weights(params).add_done_callback(partial(self._swapped, name, token))
+
+    def _swapped(self, name: str, token: int, fut: Future) -> None:
+        err = fut.exception()
+        if err is None:
+            self._report(("swapped", name, token, fut.result(), None))
+        else:
+            fault = "unavailable" if isinstance(err, EngineUnavailable) else describe_error(err)
+            self._report(("swapped", name, token, None, fault))
 
     def _builder(self) -> InstanceBuilder:
         if self._built.builder is None:
@@ -182,6 +258,8 @@ class HostWorker:
             elif kind == "hand_over":
                 _, _, ids, token = op
                 engine.hand_over(ids).add_done_callback(partial(self._handed, name, token))
+            elif kind == "swap":
+                self._swap(name, op[2])
             else:
                 raise ValueError(f"unknown operation {kind!r}")
         return len(ops)
@@ -197,6 +275,9 @@ class HostWorker:
                     break
                 self._cv.wait(left)
             reports, self._reports = self._reports, []
+        counts = self.steps.take()
+        if counts is not None:
+            reports.append(("steps", "", counts))
         return reports, {name: e.snapshot() for name, e in self.engines.items()}  # (a reshape swaps the dict whole)
 
     def stop(self) -> None:
