@@ -241,3 +241,37 @@ def test_reload_weights_swaps_on_every_host_or_on_none(multihost, one_process_an
     assert all(a.text != b for a, b in zip(changed, one_process_answers))  # every call ran on the new weights
     assert len({_host_of(r.instance) for r in changed}) == 2
     assert [r.text for r in back] == one_process_answers[:16]
+
+
+def test_the_controller_reshapes_the_host_that_must_change_and_leaves_the_other(multihost, one_process_answers):
+    from dilaserve_jax.serving.cluster.hosts.hosts_control import start_hosts_controller
+    from dilaserve_jax.serving.policy.capacity import RequestShape
+    from dilaserve_jax.serving.policy.controller import ControllerConfig
+
+    server, hosts = multihost
+    cluster = hosts.cluster
+    first, second = cluster.builder.live_hosts()
+    cluster.reconfigure("2x1|2")  # the second host one TP-2 instance
+    kept = sorted(i.name for i in cluster.infos if i.host == first)
+    cfg = ControllerConfig(interval_s=3600.0, window_s=10.0, min_dwell_s=0.0, confirmations=1)
+    ctl = start_hosts_controller(hosts, cfg, mode="paused")  # rounds driven here, not by its thread
+    try:
+        assert sorted(ctl.candidates) == [(1, 1, 1, 1), (2, 1, 1), (2, 2)]  # a TP group never spans hosts
+        t0 = time.monotonic() - 11.0
+        for i in range(4400):  # 400 requests/s of tight deadlines over the last 11 s: narrow instances
+            ctl.observe(RequestShape(32, 64, 16, 0.4), t0 + i / 400)
+        with server.client() as c, ThreadPoolExecutor(16) as pool:
+            calls = [pool.submit(c.generate, p, max_new_tokens=32, block_length=16) for p in PROMPTS[:16]]
+            decision = cluster.autoscaler.round(time.monotonic())
+            got = [f.result(60) for f in calls]
+            state = c.cluster_state()
+    finally:
+        cluster.autoscaler.stop()
+        cluster.autoscaler = None
+    assert decision.switch and decision.current == "2x1|1x2" and decision.chosen == "2x1|2x1", str(decision)
+    report = cluster.reconfigurations[-1]
+    assert report.reason == "controller" and sorted(report.kept) == kept  # the first host untouched
+    assert [_host_of(n) for n in report.removed] == [second] and len(report.added) == 2
+    assert state.layout == "2x1|2x1" and state.controller_mode == "paused"
+    assert any("switch 2x1|1x2 -> 2x1|2x1" in d for d in state.decisions)
+    assert [r.text for r in got] == one_process_answers[:16]
