@@ -14,9 +14,9 @@ and the migrations are the one-host controller's own:
   the fewest hosts, then moves the fewest bytes (`assign_to_hosts`): a host whose layout already
   fits keeps its instances and requests untouched. The decision reads per host ("2x1|1x2"), which
   is what `Cluster.reconfigure` takes across hosts.
-- **Switching cost.** Summed over the hosts that change (their workers build one after the
-  other): the bytes each reshards on its own devices at `bandwidth_gbps`, and `compile_s` for each
-  of its placements that its old layout did not run.
+- **Switching cost.** The slowest of the hosts that change (their workers build at the same
+  time): the bytes each reshards on its own devices at `bandwidth_gbps`, and `compile_s` for each
+  of its placements that its old layout did not run. Hosts left as they are cost nothing.
 """
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ class HostsController(ClusterController):
             was, will = self._current[i], target[i]
             move_bytes = moved_fraction(was, will) * self.param_bytes / max(will)
             unseen = [p for p in placements(will) if p not in placements(was)]
-            seconds += move_bytes / (self.cfg.bandwidth_gbps * 1e9) + self.cfg.compile_s * len(unseen)
+            seconds = max(seconds, move_bytes / (self.cfg.bandwidth_gbps * 1e9) + self.cfg.compile_s * len(unseen))
         return seconds, pause_s
 
     # --- internals ---

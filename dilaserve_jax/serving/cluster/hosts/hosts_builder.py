@@ -2,8 +2,8 @@
 
 A layout names one layout per host, joined by '|' in the order the cluster's layout lists them
 ("2x4|8": host 1 two TP-4 instances, host 2 one TP-8). Each host plans, builds (resharding its
-weights device to device on its own devices) and drops its own instances; a TP group never spans
-hosts. Everything else is the cluster's reshape (serving/cluster/reshape.py) run at the leader: a
+weights device to device on its own devices) and drops its own instances, the changed hosts
+building at the same time; a TP group never spans hosts. Everything else is the cluster's reshape (serving/cluster/reshape.py) run at the leader: a
 host whose part is unchanged keeps its instances and their requests untouched, removed instances
 hand their requests over at a step boundary, and the router places them on the new set, next
 step a refresh.
@@ -73,8 +73,10 @@ class HostsBuilder:
     def build(self, add: Sequence[InstanceInfo], spec: str) -> tuple[list[RemoteEngine], int, float]:
         parts, links = self._parts(spec), dict(self._live())
         engines, moved, reshard_s = [], 0, 0.0
-        for host, local in _by_host(add).items():
-            snaps, m, s = RayTransport._get(self._actor(host).build.remote(local, parts[host]))
+        by_host = _by_host(add)
+        builds = {host: self._actor(host).build.remote(local, parts[host]) for host, local in by_host.items()}
+        for host, local in by_host.items():  # the hosts build at once, each on its own devices
+            snaps, m, s = RayTransport._get(builds[host])
             link = links[host]
             new = [RemoteEngine(link, i.name, f"{host}/{i.name}", snaps[i.name]) for i in local]
             link.attach([*link.engines.values(), *new])
