@@ -275,3 +275,18 @@ def test_the_controller_reshapes_the_host_that_must_change_and_leaves_the_other(
     assert state.layout == "2x1|2x1" and state.controller_mode == "paused"
     assert any("switch 2x1|1x2 -> 2x1|2x1" in d for d in state.decisions)
     assert [r.text for r in got] == one_process_answers[:16]
+
+
+def test_a_failed_instance_rebuilt_by_the_same_layout_serves_again(multihost):
+    _, hosts = multihost
+    cluster = hosts.cluster
+    layout = cluster.layout
+    name = cluster.infos[-1].name
+    cluster.engine(name).fail(RuntimeError("test fault"))  # as the leader sees a failed instance
+    report = cluster.reconfigure(layout)  # the same layout: only the failed instance is built again
+    assert report.added == (name,) and report.removed == (name,) and cluster.layout == layout
+    now = time.monotonic()
+    r = Request("after-rebuild", tuple(range(3, 40)), 32, 16, now, now + 30)
+    result = cluster.submit(r, instance=name).result(30)  # its host kept the new engine under that name
+    assert result.instance == name and result.tokens == letter_answer(r.prompt_tokens, 32)
+    assert all(cluster.engine(i.name).healthy for i in cluster.infos)

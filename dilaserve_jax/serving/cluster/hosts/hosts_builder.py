@@ -88,7 +88,8 @@ class HostsBuilder:
         pass  # its host warmed it while building
 
     def release(self, names: Sequence[str]) -> None:
-        infos = [InstanceInfo(n, 0, (), n.split("/", 1)[0]) for n in names if "/" in n]
+        serving = {i.name for i in self.hosts.cluster.infos}  # a failed instance rebuilt under its name stays
+        infos = [InstanceInfo(n, 0, (), n.split("/", 1)[0]) for n in names if "/" in n and n not in serving]
         live = dict(self._live())
         for host, local in _by_host(infos).items():
             link = live.get(host)

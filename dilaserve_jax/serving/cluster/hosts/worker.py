@@ -184,7 +184,13 @@ class HostWorker:
             e.add_step_hook(self.steps)
             e.start()
             builder.prepare(e)
+        replaced = [self.engines[e.name] for e in engines if e.name in self.engines]  # failed ones, rebuilt
         self.engines = {**self.engines, **{e.name: e for e in engines}}
+        for old in replaced:
+            try:
+                old.stop(5.0)
+            except TimeoutError:  # a hung runner call: its thread is left to finish on its own
+                log.warning("replaced engine %s did not stop", old.name)
         return {e.name: e.snapshot() for e in engines}, moved, reshard_s
 
     def release(self, names: Sequence[str]) -> None:
