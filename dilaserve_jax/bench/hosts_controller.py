@@ -60,8 +60,8 @@ def measure(hosts: int, devices: int, rate: float) -> dict:
     decision = ctl.decide(11.0, (1,) * (hosts * devices))
     decide_s = time.perf_counter() - t0
     changed = changed_hosts(tuple(s.layout for s in slices), parse_hosts_layout(decision.chosen))
-    return {"hosts": hosts, "devices": devices, "candidates": len(candidates), "enumerate_ms": enumerate_s * 1e3,
-            "decide_ms": decide_s * 1e3, "switch": decision.switch, "hosts_changed": len(changed),
+    return {"hosts": hosts, "devices": devices, "candidates": len(candidates),
+            "enumerate_ms": enumerate_s * 1e3, "decide_ms": decide_s * 1e3, "switch": decision.switch, "hosts_changed": len(changed),
             "chosen": decision.chosen if hosts <= 4 else f"{len(set(decision.chosen.split('|')))} distinct host layouts"}
 
 

@@ -50,7 +50,8 @@ def host_partitions(devices: int, tp_degrees: Sequence[int], allowed: Sequence[s
     return binary_partitions(devices, [t for t in tp_degrees if t <= devices])
 
 
-def flat_candidates(per_host: Sequence[Sequence[tuple[int, ...]]], limit: int = MAX_CANDIDATES) -> list[tuple[int, ...]]:
+def flat_candidates(per_host: Sequence[Sequence[tuple[int, ...]]],
+                    limit: int = MAX_CANDIDATES) -> list[tuple[int, ...]]:
     """The distinct instance multisets (widest first) reachable by giving each host one of its
     layouts (`per_host[i]`: host i's), in the order the hosts' options give them (one host: its
     options as given). Past `limit` of them (many hosts), only those where the hosts with the same

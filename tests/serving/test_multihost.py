@@ -197,11 +197,13 @@ def test_every_hosts_step_metrics_reach_the_leader_with_their_host(multihost):
         time.sleep(0.02)
     assert added(lambda c: c.tokens.total) == 16 * 32  # every token committed, counted once
     assert added(lambda c: c.tau.count) == sum(r.steps for r in got)
-    body = urllib.request.urlopen(f"http://127.0.0.1:{server.running.metrics_port}/metrics", timeout=10).read().decode()
+    url = f"http://127.0.0.1:{server.running.metrics_port}/metrics"
+    body = urllib.request.urlopen(url, timeout=10).read().decode()
+    totals = hosts.step_totals()
     for host in {_host_of(r.instance) for r in got}:
         assert _metric(body, f'dilaserve_step_seconds_count{{host="{host}",kind="reuse"}}') > 0
-        assert _metric(body, f'dilaserve_tokens_per_step_sum{{host="{host}"}}') == hosts.step_totals()[host].tokens.total
-    assert _metric(body, "dilaserve_tau_count{") == sum(c.tau.count for c in hosts.step_totals().values())
+        assert _metric(body, f'dilaserve_tokens_per_step_sum{{host="{host}"}}') == totals[host].tokens.total
+    assert _metric(body, "dilaserve_tau_count{") == sum(c.tau.count for c in totals.values())
 
 
 def test_reload_weights_swaps_on_every_host_or_on_none(multihost, one_process_answers):
@@ -229,7 +231,8 @@ def test_reload_weights_swaps_on_every_host_or_on_none(multihost, one_process_an
         for host in live:  # one request on each host, with known prompt tokens
             now = time.monotonic()
             name = next(i.name for i in cluster.infos if i.host == host)
-            direct.append(cluster.submit(Request(f"w5-{host}", prompt, 32, 16, now, now + 60), instance=name).result(30))
+            request = Request(f"w5-{host}", prompt, 32, 16, now, now + 60)
+            direct.append(cluster.submit(request, instance=name).result(30))
         changed = answers(c)
         state = c.cluster_state()
         c.reload_weights(str(good), step=0)  # back to the weights the other tests expect

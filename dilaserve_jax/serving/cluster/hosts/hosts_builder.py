@@ -3,8 +3,8 @@
 A layout names one layout per host, joined by '|' in the order the cluster's layout lists them
 ("2x4|8": host 1 two TP-4 instances, host 2 one TP-8). Each host plans, builds (resharding its
 weights device to device on its own devices) and drops its own instances, the changed hosts
-building at the same time; a TP group never spans hosts. Everything else is the cluster's reshape (serving/cluster/reshape.py) run at the leader: a
-host whose part is unchanged keeps its instances and their requests untouched, removed instances
+building at the same time; a TP group never spans hosts. Everything else is the cluster's
+reshape (serving/cluster/reshape.py) run at the leader: a host whose part is unchanged keeps its instances and their requests untouched, removed instances
 hand their requests over at a step boundary, and the router places them on the new set, next
 step a refresh.
 """
