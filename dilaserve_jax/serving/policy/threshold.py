@@ -240,11 +240,9 @@ class ThresholdController:
         judged here: a request the budget holds at 0.9 does not finish at τ_min's speed."""
         return self._lowest.get(req.id, req.tau_min)
 
-    def feasible_at(self, req: Request, start: float, batch: int, step_time: StepTime,
-                    tau: float | None = None) -> bool:
-        """Can it meet its deadline at τ (default its lowest allowed), starting at `start` with this batch?"""
-        tau = self.lowest_tau(req) if tau is None else tau
-        return start + self.remaining_time(req, tau, batch, step_time) <= req.deadline
+    def feasible_at(self, req: Request, start: float, batch: int, step_time: StepTime) -> bool:
+        """Can it meet its deadline at its lowest allowed τ, starting at `start` with this batch?"""
+        return start + self.remaining_time(req, self.lowest_tau(req), batch, step_time) <= req.deadline
 
     # --- the per-step plan ---
     def plan(self, running: Sequence[Request], waiting: Sequence[Request], now: float, num_slots: int,
