@@ -27,8 +27,11 @@ class WorkloadConfig:
     """The arrivals, lengths and SLOs of a run (shared with the live load generator, `bench.serving`)."""
 
     trace: str = opt("poisson:2", "arrivals: a trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens; e.g. the Azure "
-                                  "2023 code trace at ../shared/traces/azure_llm_2023_code.csv), poisson:RATE, "
-                                  "bursty:RATE[:CV] or diurnal:RATE[:PERIOD[:AMP]]")
+                                  "2023 code trace at ../shared/traces/azure_llm_2023_code.csv; repeated when "
+                                  "--duration is longer), poisson:RATE, bursty:RATE[:CV], "
+                                  "diurnal:RATE[:PERIOD[:AMP]] (RATE·(1+AMP·sin(2πt/PERIOD))) or "
+                                  "steps:RATE@SECONDS,... (piecewise-constant Poisson, e.g. steps:20@300,90@300,20@300; "
+                                  "--duration defaults to the steps' total)")
     lengths: str | None = opt(None, "synthetic arrivals: draw prompt/answer lengths from this trace CSV",
                               metavar="CSV", default_text="fixed lengths")
     rate_scale: float = opt(1.0, "multiply the arrival rate (a trace's gaps are divided by it)")

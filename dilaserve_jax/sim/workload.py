@@ -3,11 +3,19 @@
 Arrivals (`--trace`):
   PATH                  an Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens), e.g.
                         the 2023 code trace (8,819 requests, 57 min; Patel et al., "Splitwise", ISCA 2024);
-                        times are relative to the first request and divided by `--rate-scale`.
+                        times are relative to the first request and divided by `--rate-scale`; a
+                        `--duration` longer than the (sped-up) trace repeats it, each copy one mean gap
+                        after the last, rows and lengths included (e.g. `--rate-scale 12 --duration 900`:
+                        the code trace at ~31 req/s, bursts past 70, three times over in 15 minutes).
   poisson:RATE          Poisson arrivals at RATE req/s (times `--rate-scale`).
   bursty:RATE[:CV]      a renewal process with gamma inter-arrival gaps of mean 1/RATE and coefficient of
                         variation CV (default 4): clumps of arrivals and long silences, like the trace.
-  diurnal:RATE[:PERIOD[:AMP]]  Poisson with rate RATE·(1 + AMP·sin(2πt/PERIOD)) (default period 600 s, AMP 0.8).
+  diurnal:RATE[:PERIOD[:AMP]]  Poisson with rate RATE·(1 + AMP·sin(2πt/PERIOD)) (default period 600 s, AMP 0.8):
+                        between RATE·(1 − AMP) and RATE·(1 + AMP), starting at RATE and rising; e.g.
+                        `diurnal:55:1200:0.818` goes 55 → 100 (300 s) → 10 (900 s) → 55 req/s over 20 minutes.
+  steps:R1@S1,R2@S2,... piecewise-constant Poisson: R1 req/s for S1 seconds, then R2 for S2, ... (rates times
+                        `--rate-scale`); e.g. `steps:20@300,90@300,20@300`. `--duration` is optional (the
+                        steps' total); a longer one repeats the pattern, a shorter one cuts it.
 
 Request shapes:
   llada_8b (or any published-table model): a trace row's ContextTokens is the prompt (cut to leave room
@@ -106,9 +114,16 @@ def arrival_times(spec: str, *, duration: float | None, rate_scale: float, rng: 
     if rate_scale <= 0:
         raise ValueError("--rate-scale must be positive")
     kind, _, args = spec.partition(":")
-    if trace is not None and kind not in ("poisson", "bursty", "diurnal"):
+    if trace is not None and kind not in SYNTHETIC:
         t = trace.times / rate_scale
+        if duration and len(t) > 1 and 0 < t[-1] < duration:  # repeat it, one mean gap between copies
+            period = t[-1] * len(t) / (len(t) - 1)
+            t = np.concatenate([t + k * period for k in range(int(duration // period) + 1)])
         return t[t < duration] if duration else t
+    if kind == "steps":
+        steps = parse_steps(spec)
+        total = sum(s for _, s in steps)
+        return _steps(steps, total if duration is None else duration, rate_scale, rng)
     if duration is None or duration <= 0:
         raise ValueError(f"synthetic arrivals ({spec}) need a positive --duration")
     vals = [float(x) for x in args.split(":") if x] if args else []
@@ -132,8 +147,55 @@ def arrival_times(spec: str, *, duration: float | None, rate_scale: float, rng: 
         cand = _renewal(lambda n: rng.exponential(1 / peak, n), duration)
         keep = rng.random(len(cand)) < (1 + amp * np.sin(2 * np.pi * cand / period)) / (1 + amp)
         return cand[keep]
-    raise ValueError(f"unknown arrival spec {spec!r}: a trace CSV path, poisson:RATE, bursty:RATE[:CV] or "
-                     "diurnal:RATE[:PERIOD[:AMP]]")
+    raise ValueError(f"unknown arrival spec {spec!r}: a trace CSV path, poisson:RATE, bursty:RATE[:CV], "
+                     "diurnal:RATE[:PERIOD[:AMP]] or steps:RATE@SECONDS,...")
+
+
+def parse_steps(spec: str) -> list[tuple[float, float]]:
+    """`steps:R1@S1,R2@S2,...` -> [(rate, seconds), ...] (rate >= 0, seconds > 0, at least one step)."""
+    kind, _, args = spec.partition(":")
+    usage = f"bad arrival spec {spec!r}: need steps:RATE@SECONDS,RATE@SECONDS,... e.g. steps:20@300,90@300,20@300"
+    if kind != "steps" or not args.strip():
+        raise ValueError(usage)
+    out = []
+    for part in args.split(","):
+        rate, at, seconds = part.strip().partition("@")
+        try:
+            r, s = float(rate), float(seconds)
+        except ValueError:
+            raise ValueError(f"{usage} (step {part!r} is not RATE@SECONDS)") from None
+        if not at or not (r >= 0 and math.isfinite(r)) or not (s > 0 and math.isfinite(s)):
+            raise ValueError(f"{usage} (step {part!r}: rate must be >= 0 and seconds > 0)")
+        out.append((r, s))
+    if not any(r > 0 for r, _ in out):
+        raise ValueError(f"{usage} (every rate is 0)")
+    return out
+
+
+def step_rate(steps: Sequence[tuple[float, float]], t: float) -> float:
+    """The rate of a steps pattern at time t (the pattern repeats after its total)."""
+    total = sum(s for _, s in steps)
+    t = t % total
+    for rate, seconds in steps:
+        if t < seconds:
+            return rate
+        t -= seconds
+    return steps[-1][0]
+
+
+def _steps(steps: Sequence[tuple[float, float]], duration: float, rate_scale: float,
+           rng: np.random.Generator) -> np.ndarray:
+    if duration <= 0:
+        raise ValueError("steps arrivals need a positive --duration (or none: the steps' total)")
+    out, start, i = [], 0.0, 0
+    while start < duration:
+        rate, seconds = steps[i % len(steps)]
+        end = min(start + seconds, duration)
+        if rate > 0:
+            t = _renewal(lambda n: rng.exponential(1 / (rate * rate_scale), n), end - start)
+            out.append(t + start)
+        start, i = end, i + 1
+    return np.concatenate(out) if out else np.zeros(0)
 
 
 def _renewal(gaps: Callable[[int], np.ndarray], duration: float) -> np.ndarray:
@@ -146,8 +208,11 @@ def _renewal(gaps: Callable[[int], np.ndarray], duration: float) -> np.ndarray:
         t = float(g[-1])
 
 
+SYNTHETIC = ("poisson", "bursty", "diurnal", "steps")
+
+
 def is_synthetic(spec: str) -> bool:
-    return spec.split(":", 1)[0] in ("poisson", "bursty", "diurnal")
+    return spec.split(":", 1)[0] in SYNTHETIC
 
 
 # --- request shapes ---
@@ -197,16 +262,17 @@ class TinyShapes:
 def build_shapes(model: str, n: int, rng: np.random.Generator, *, trace: Trace | None, from_trace_rows: bool,
                  fixed: tuple[int, int] = (512, 256), max_len: int = 4096, max_answer: int = 1024,
                  tiny: TinyShapes | None = None) -> list[Shape]:
-    """`n` request shapes: the trace's own rows in order (`from_trace_rows`), rows drawn from the trace
+    """`n` request shapes: the trace's own rows in order (`from_trace_rows`; a repeated trace starts
+    over), rows drawn from the trace
     (synthetic arrivals with `--lengths`), or fixed lengths."""
     if model == "tiny":
         tiny = tiny or TinyShapes()
         if trace is not None:
-            rows = range(n) if from_trace_rows else rng.integers(len(trace), size=n)
+            rows = (i % len(trace) for i in range(n)) if from_trace_rows else rng.integers(len(trace), size=n)
             return [tiny.draw(rng, int(trace.generated[i])) for i in rows]
         return [tiny.draw(rng) for _ in range(n)]
     if trace is not None:
-        rows = np.arange(n) if from_trace_rows else rng.integers(len(trace), size=n)
+        rows = np.arange(n) % len(trace) if from_trace_rows else rng.integers(len(trace), size=n)
         return [llada_shape(int(trace.context[i]), int(trace.generated[i]), max_len=max_len, max_answer=max_answer)
                 for i in rows]
     return [llada_shape(fixed[0], fixed[1] - 1, max_len=max_len, max_answer=max_answer)] * n

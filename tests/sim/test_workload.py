@@ -76,3 +76,39 @@ def test_slo_specs():
     for bad in ("idle:6,2", "fixed:0", "fixed", "deadline:3", "idle:x"):
         with pytest.raises(ValueError):
             parse_slo(bad)
+
+
+def test_steps_arrivals_hold_each_rate_for_its_seconds_and_repeat():
+    from dilaserve_jax.sim.workload import is_synthetic, parse_steps, step_rate
+
+    assert parse_steps("steps:20@300,90@300,20@300") == [(20.0, 300.0), (90.0, 300.0), (20.0, 300.0)]
+    assert is_synthetic("steps:5@10")
+    rng = np.random.default_rng(3)
+    t = arrival_times("steps:20@100,90@50,0@20,20@100", duration=None, rate_scale=1.0, rng=rng)
+    assert t.max() < 270 and (np.diff(t) >= 0).all()
+    per = [((t >= a) & (t < b)).sum() / (b - a) for a, b in ((0, 100), (100, 150), (150, 170), (170, 270))]
+    assert per[0] == pytest.approx(20, rel=0.15) and per[1] == pytest.approx(90, rel=0.1)
+    assert per[2] == 0 and per[3] == pytest.approx(20, rel=0.15)
+    assert [step_rate([(20, 100), (90, 50)], x) for x in (0, 99.9, 100, 149, 150, 260)] == [20, 20, 90, 90, 20, 90]
+    # a longer --duration repeats the pattern, a shorter one cuts it; --rate-scale multiplies every rate
+    t = arrival_times("steps:10@50,60@50", duration=300, rate_scale=0.5, rng=rng)
+    assert ((t >= 250) & (t < 300)).sum() / 50 == pytest.approx(30, rel=0.2) and t.max() < 300
+    assert arrival_times("steps:10@50,60@50", duration=40, rate_scale=1.0, rng=rng).max() < 40
+    for bad in ("steps:", "steps:20", "steps:20@", "steps:20@0", "steps:-1@10", "steps:a@10", "steps:20@10,,5@3",
+                "steps:0@10,0@5", "steps:20@10;90@10"):
+        with pytest.raises(ValueError, match="steps:RATE@SECONDS"):
+            arrival_times(bad, duration=None, rate_scale=1.0, rng=rng)
+
+
+def test_diurnal_spans_its_range_and_a_short_trace_repeats(tmp_path):
+    rng = np.random.default_rng(4)
+    d = arrival_times("diurnal:55:1200:0.818", duration=1200, rate_scale=1.0, rng=rng)
+    peak = ((d >= 240) & (d < 360)).sum() / 120  # around 300 s: 55 * 1.818 = 100
+    trough = ((d >= 840) & (d < 960)).sum() / 120  # around 900 s: 55 * 0.182 = 10
+    assert peak == pytest.approx(99, rel=0.08) and trough == pytest.approx(10.5, rel=0.3)
+    p = _csv(tmp_path, [(0.0, 10, 3), (1.0, 20, 4), (3.0, 30, 5)])
+    tr = load_trace(p)
+    t = arrival_times(str(p), duration=9.0, rate_scale=1.0, rng=rng, trace=tr)
+    assert t.tolist() == pytest.approx([0, 1, 3, 4.5, 5.5, 7.5])  # one mean gap (1.5 s) between copies
+    shapes = build_shapes("llada_8b", len(t), rng, trace=tr, from_trace_rows=True)
+    assert [s.prompt_len for s in shapes] == [10, 20, 30, 10, 20, 30]
