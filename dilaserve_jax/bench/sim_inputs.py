@@ -28,16 +28,17 @@ from dilaserve_jax.tasks.prompts import prompt_hash
 
 def build_simulation(bench_info: dict, policy: str, trace: list, items: list, seed: int, *, step_time, latency,
                      prior, eval_rows: list | None = None, host_time=None, traced: bool = False,
-                     own: dict | None = None) -> Simulation:
+                     own: dict | None = None, instances: int = 1) -> Simulation:
     """The simulated instance of a real run: the same requests, arrival times, SLOs and policy.
-    `own`: pool prompts that replay their own measured trajectory (`own_trajectories`)."""
+    `own`: pool prompts that replay their own measured trajectory (`own_trajectories`);
+    `instances`: that many TP-1 instances behind the serving router (layout `Nx1`)."""
     rows = json.loads((ASSETS / "eval.json").read_text())
     specs = [RequestSpec(offset, items[i]["task"], tuple(items[i]["tokens"]), items[i]["answer"], items[i]["block"],
                          None, slo) for offset, i, slo in trace]
     quality = QualityModel.from_eval_rows(rows, seed=seed)
     for key, template in (own or {}).items():
         quality.by_prompt[key] = template
-    cfg = SimConfig(devices=1, policy=policy, layout="1x1", slots=bench_info["slots"],
+    cfg = SimConfig(devices=instances, policy=policy, layout=f"{instances}x1", slots=bench_info["slots"],
                     static_tau=bench_info["static_tau"], tau_min=bench_info["tau_range"][0],
                     tau_max=bench_info["tau_range"][1], max_queue=10_000,
                     max_accuracy_drop=bench_info.get("budget"), seed=seed)
@@ -46,9 +47,10 @@ def build_simulation(bench_info: dict, policy: str, trace: list, items: list, se
 
 
 def simulate(bench_info: dict, policy: str, trace: list, items: list, *, step_time, latency, prior, seeds: int,
-             eval_rows: list | None = None, host_time=None, own: dict | None = None) -> list:
+             eval_rows: list | None = None, host_time=None, own: dict | None = None, instances: int = 1) -> list:
     return [build_simulation(bench_info, policy, trace, items, seed, step_time=step_time, latency=latency,
-                             prior=prior, eval_rows=eval_rows, host_time=host_time, own=own).run()
+                             prior=prior, eval_rows=eval_rows, host_time=host_time, own=own,
+                             instances=instances).run()
             for seed in range(seeds)]
 
 
@@ -136,11 +138,15 @@ def host_models(measured: dict) -> dict:
 
     samples: dict[str, list] = {}
     for run_ in measured["runs"]:
-        if not run_.get("iterations"):
+        # one instance's iterations, or each instance's of a run on several (`sim_validate_pair`)
+        traces = list(run_["iterations_by_instance"].values()) if "iterations_by_instance" in run_ \
+            else [run_.get("iterations")]
+        if not all(traces):
             raise ValueError("these real runs have no iteration traces (measured before they were recorded): "
                              "use --host-model mean")
-        recs = [IterationRecord.from_json(d) for d in run_["iterations"]]
-        samples.setdefault(run_["policy"], []).extend(host_samples(recs))
+        for trace in traces:
+            recs = [IterationRecord.from_json(d) for d in trace]
+            samples.setdefault(run_["policy"], []).extend(host_samples(recs))
     return {p: HostTimeModel.fit(v, f"fitted on {len(v)} iterations of the real {p} runs") for p, v in samples.items()}
 
 

@@ -21,7 +21,9 @@
    when the simulation falls within the real passes' min–max of attainment widened by 5 points and
    of mean latency widened by 15%.
 
-The real side imports JAX (inside `measure_real`); `--from` re-simulates saved real runs without it.
+`--instances N` (N > 1): N real instances behind the serving router against N simulated ones
+(`bench/sim_validate_pair.py`). The real side imports JAX (inside `measure_real`, `measure_pair`);
+`--from` re-simulates saved real runs without it.
 """
 from __future__ import annotations
 
@@ -54,7 +56,10 @@ class ValidateConfig:
     load_factors: tuple[float, ...] = opt((0.5, 1.0, 1.6), "request rates as multiples of the measured capacity")
     duration: float = opt(20.0, "seconds of arrivals per run")
     policies: tuple[str, ...] = opt((), "scheduling policies", choices=POLICIES, default_text="all three")
-    slots: int = opt(8, "slots of the instance")
+    instances: int = opt(1, "real instances of TP 1, one device and one pinned core each, behind the serving "
+                            "router, against as many simulated ones (on CPU the command asks XLA for that many host "
+                            "devices); the load factors are of their joint capacity. With --from: the saved run's")
+    slots: int = opt(8, "slots of each instance")
     per_task: int = opt(6, "held-out problems per task in the pool")
     slo_range: tuple[float, float] = opt((2.0, 6.0), "SLO = uniform(LO, HI) x the prompt's idle latency",
                                          metavar=("LO", "HI"))
@@ -89,8 +94,8 @@ class ValidateConfig:
     def __post_init__(self):
         if not self.load_factors or any(f <= 0 for f in self.load_factors) or self.duration <= 0:
             raise ValueError("load factors and the duration must be positive")
-        if self.slots < 1 or self.per_task < 1 or self.sim_seeds < 1 or self.repeats < 1:
-            raise ValueError("slots, per-task, sim-seeds and repeats must be at least 1")
+        if self.slots < 1 or self.per_task < 1 or self.sim_seeds < 1 or self.repeats < 1 or self.instances < 1:
+            raise ValueError("instances, slots, per-task, sim-seeds and repeats must be at least 1")
         if not 0 < self.slo_range[0] <= self.slo_range[1]:
             raise ValueError(f"bad SLO range {self.slo_range}")
         if self.max_accuracy_drop is not None and self.max_accuracy_drop < 0:
@@ -100,7 +105,8 @@ class ValidateConfig:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dilaserve_jax.bench.sim_validate",
-        description="Replay one Poisson trace through the real in-process engine (tiny model, one instance) at "
+        description="Replay one Poisson trace through the real in-process engine (tiny model, one instance, or "
+                    "--instances N behind the serving router) at "
                     "several loads and policies, then through the simulator fed that run's measured profile, step-time "
                     "spread and host overhead and the shipped eval rows; print both side by side.")
     return add_config_arguments(p, ValidateConfig)
@@ -165,48 +171,69 @@ def format_points(points: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def measure_real(cfg: ValidateConfig) -> dict:
-    """The real side (JAX): everything the simulated side is fed, as plain JSON."""
+def open_bench(cfg: ValidateConfig):
+    """The policies benchmark's pool, model, instance and start-up profile (JAX)."""
     from dilaserve_jax.bench.policies_bench import Bench, BenchConfig
     from dilaserve_jax.decoding.compiled import enable_compile_cache
 
     enable_compile_cache(cfg.compile_cache)
-    policies = cfg.policies or POLICIES
     bench_cfg = BenchConfig(model="tiny", load_factors=cfg.load_factors, duration=cfg.duration,
                             slo_range=cfg.slo_range, slots=cfg.slots, per_task=cfg.per_task, seed=cfg.seed)
-    t_start = time.perf_counter()
     bench = Bench(bench_cfg, cfg.progress, log)
     bench.build()
-    idle, cap = bench.capacity()
-    log.info(f"capacity at τ={bench_cfg.static_tau}: {cap:.2f} req/s; idle latency mean {1e3 * np.mean(idle):.0f} ms")
-    budget = cfg.max_accuracy_drop
-    info = {"budget": budget, "slots": cfg.slots, "static_tau": bench_cfg.static_tau,
-            "tau_range": [bench_cfg.tau_min, bench_cfg.tau_max], "capacity_rps": cap, "duration": cfg.duration,
-            "slo_range": list(cfg.slo_range), "profile_label": bench.profile.label, "fit": str(bench.latency.report)}
-    items = [{"task": it.problem.task, "tokens": list(it.tokens), "answer": it.answer, "block": it.block}
-             for it in bench.items]
+    return bench
+
+
+def serve_one(bench, policy: str, trace: list, desc: str, budget: float | None) -> dict:
+    """One real run on the benchmark's one instance: its records, steps, busy time and iterations."""
+    reqs = bench.serve(policy, trace, desc, budget, "adaptive")
+    timing = bench.last_timing
+    return {"records": bench.records(reqs), "steps": timing.steps, "busy_wall_s": timing.iterations_s,
+            "overhead_ms": 1e3 * timing.host_s_per_step, "iterations": [r.to_json() for r in bench.last_trace]}
+
+
+def sweep(cfg: ValidateConfig, bench, cap: float, idle: list[float], serve) -> list[dict]:
+    """Every (repeat, load, policy) real run: `serve(policy, trace, desc, budget)` -> its measurements."""
+    policies = cfg.policies or POLICIES
     runs = []
     for rep in range(cfg.repeats):  # the same traces again: how much the real server varies by itself
-        for k, factor in enumerate(bench_cfg.load_factors):
+        for k, factor in enumerate(cfg.load_factors):
             rate = round(factor * cap, 2)
             trace = bench.trace(rate, idle, k)
             shift = (k + rep) % len(policies)
             for p in policies[shift:] + policies[:shift]:
                 # every policy with the shipped eval rows' speed prior and accuracy budget
-                reqs = bench.serve(p, trace, f"real {p} @ {rate:g}/s", budget, "adaptive")
-                timing = bench.last_timing
-                runs.append({"policy": p, "rate": rate, "load": factor, "repeat": rep, "trace": trace,
-                             "records": bench.records(reqs), "steps": timing.steps,
-                             "busy_wall_s": timing.iterations_s, "overhead_ms": 1e3 * timing.host_s_per_step,
-                             "iterations": [r.to_json() for r in bench.last_trace]})
+                runs.append({"policy": p, "rate": rate, "load": factor, "repeat": rep, "trace": trace}
+                            | serve(p, trace, f"real {p} @ {rate:g}/s", cfg.max_accuracy_drop))
                 log.info(f"real {p} @ {rate:g} req/s (pass {rep + 1}): "
                          f"{summarize(runs[-1]['records'], duration=cfg.duration)['slo_attainment']:.1%} attainment")
-    return {"info": info | {"real_wall_s": time.perf_counter() - t_start}, "items": items, "runs": runs,
-            "profile": bench.profile.to_json(),
+    return runs
+
+
+def measured_json(cfg: ValidateConfig, bench, cap: float, runs: list[dict], t_start: float, **info) -> dict:
+    """Everything the simulated side is fed, as plain JSON (`info`: more of the run's facts)."""
+    bc, budget = bench.cfg, cfg.max_accuracy_drop
+    items = [{"task": it.problem.task, "tokens": list(it.tokens), "answer": it.answer, "block": it.block}
+             for it in bench.items]
+    return {"info": {"budget": budget, "slots": cfg.slots, "static_tau": bc.static_tau,
+                     "tau_range": [bc.tau_min, bc.tau_max], "capacity_rps": cap, "duration": cfg.duration,
+                     "slo_range": list(cfg.slo_range), "profile_label": bench.profile.label,
+                     "fit": str(bench.latency.report), "real_wall_s": time.perf_counter() - t_start} | info,
+            "items": items, "runs": runs, "profile": bench.profile.to_json(),
             "prior": {str(t): v for t, v in bench.threshold_config(budget, "adaptive").prior},
             "eval_rows": bench.rows,
             "batch_buckets": list(bench.runner.decoder.config.batch_buckets),
             "length_buckets": sorted(set(bench.lengths.values()))}
+
+
+def measure_real(cfg: ValidateConfig) -> dict:
+    """The real side (JAX) on one instance: everything the simulated side is fed, as plain JSON."""
+    t_start = time.perf_counter()
+    bench = open_bench(cfg)
+    idle, cap = bench.capacity()
+    log.info(f"capacity at τ={bench.cfg.static_tau}: {cap:.2f} req/s; idle latency mean {1e3 * np.mean(idle):.0f} ms")
+    runs = sweep(cfg, bench, cap, idle, lambda p, trace, desc, budget: serve_one(bench, p, trace, desc, budget))
+    return measured_json(cfg, bench, cap, runs, t_start)
 
 
 def compare_with_sim(measured: dict, seeds: int, source: str = "run", noise: str = "timeline",
@@ -215,6 +242,7 @@ def compare_with_sim(measured: dict, seeds: int, source: str = "run", noise: str
     for noise, host_model "mean"/"fit" and work "eval"/"own"); one row per real run, and `points`:
     the runs of each (policy, rate) together."""
     info, duration = measured["info"], measured["info"]["duration"]
+    instances = int(info.get("instances", 1))  # several: `sim_validate_pair`'s runs, behind the router
     step_time, latency, spread = step_time_model(measured, source)
     spread |= {"noise": noise, "host_model": host_model, "work": work}
     if host_model not in ("mean", "fit"):
@@ -228,22 +256,42 @@ def compare_with_sim(measured: dict, seeds: int, source: str = "run", noise: str
         real = summarize(run_["records"], duration=duration)
         st, host, own = run_inputs(measured, run_, step_time, noise, hosts, work)
         sims = simulate(info, run_["policy"], run_["trace"], measured["items"], step_time=st, latency=latency,
-                        prior=prior, seeds=seeds, eval_rows=measured.get("eval_rows"), host_time=host, own=own)
+                        prior=prior, seeds=seeds, eval_rows=measured.get("eval_rows"), host_time=host, own=own,
+                        instances=instances)
         sim = _mean_rows(sims, duration)
         rows.append({"policy": run_["policy"], "rate": run_["rate"], "load": run_["load"],
                      "repeat": run_.get("repeat", 0), "real": real, "sim": sim, "compare": compare(real, sim),
-                     "own_work": len(own or ())})
+                     "own_work": len(own or ())}
+                    | ({"placed": placed_counts(run_["records"], sims)} if instances > 1 else {}))
     rows.sort(key=lambda r: (r["rate"], r["policy"], r["repeat"]))
     return {"info": info | {"step_time": spread, "sim_wall_s": time.perf_counter() - t_sim}, "rows": rows,
             "points": group_points(rows)}
 
 
+def placed_counts(records: list[dict], sims: list) -> dict:
+    """Requests per instance: where the real router placed them, and the simulated router (mean over seeds)."""
+    real: dict[str, int] = {}
+    for r in records:
+        real[r.get("instance", "")] = real.get(r.get("instance", ""), 0) + 1
+    sim: dict[str, float] = {}
+    for res in sims:
+        for r in res.records:
+            sim[r.instance] = sim.get(r.instance, 0.0) + 1 / len(sims)
+    return {"real": dict(sorted(real.items())), "sim": dict(sorted(sim.items()))}
+
+
 def run(cfg: ValidateConfig) -> dict:
     if cfg.from_file:
         measured = json.loads(Path(cfg.from_file).read_text())
-        log.info(f"real runs from {cfg.from_file} ({len(measured['runs'])} runs)")
+        log.info(f"real runs from {cfg.from_file} ({len(measured['runs'])} runs, "
+                 f"{measured['info'].get('instances', 1)} instance(s))")
     else:
-        measured = measure_real(cfg)
+        if cfg.instances > 1:
+            from dilaserve_jax.bench.sim_validate_pair import measure_pair
+
+            measured = measure_pair(cfg)
+        else:
+            measured = measure_real(cfg)
         if cfg.out:
             d = Path(cfg.out)
             d.mkdir(parents=True, exist_ok=True)
@@ -280,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ok}/{len(out['points'])} points within the targets (the real passes' min-max widened by ±"
               f"{TARGET_POINTS:g} points of attainment and ±{100 * TARGET_LATENCY:.0f}% of mean latency); real side "
               f"{out['info']['real_wall_s']:.0f} s, simulator {out['info']['sim_wall_s']:.1f} s")
+        if out["info"].get("instances", 1) > 1:
+            from dilaserve_jax.bench.sim_validate_pair import format_placed, met_per_policy
+
+            print(met_per_policy(out["points"]))
+            print(format_placed(out["rows"]))
     return 0
 
 
