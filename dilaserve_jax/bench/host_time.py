@@ -6,8 +6,8 @@ measured is the loop's: mailbox, schedule with the threshold controller's plan, 
 finish while it runs, and deadlines spread from tight to loose (`slo_range` seconds) so the planner
 has at-risk and feasible requests to weigh; then `iterations` iterations run. Reported per depth:
 the host time per iteration by phase (`serving/cluster/iteration_trace.py`; median and p90 over
-iterations), and the calls per iteration of the controller's `remaining_time` and `steps_needed`
-(counted, so they do not depend on the machine's load).
+iterations), and the controller's pricing work per iteration (`CountingController`: steps left
+worked out, and step-time terms worked out; counted, so they do not depend on the machine's load).
 """
 from __future__ import annotations
 
@@ -28,19 +28,24 @@ from dilaserve_jax.serving.policy.threshold import ThresholdConfig, ThresholdCon
 
 
 class CountingController(ThresholdController):
-    """The threshold controller, counting the calls of its per-request cost functions."""
+    """The threshold controller, counting its pricing work: how many times it works out a
+    request's steps left at a τ (`steps_priced`) and the time terms of its steps at a batch
+    (`times_priced`). Memoised prices are not counted: they cost a dictionary lookup."""
 
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
-        self.calls = {"remaining_time": 0, "steps_needed": 0}
+        self.calls = {k: 0 for k in PRICED}
 
-    def remaining_time(self, *args, **kw):
-        self.calls["remaining_time"] += 1
-        return super().remaining_time(*args, **kw)
+    def _step_costs(self, *args, **kw):
+        self.calls["times_priced"] += 1
+        return super()._step_costs(*args, **kw)
 
-    def steps_needed(self, *args, **kw):
-        self.calls["steps_needed"] += 1
-        return super().steps_needed(*args, **kw)
+    def _count_steps(self, *args, **kw):
+        self.calls["steps_priced"] += 1
+        return super()._count_steps(*args, **kw)
+
+
+PRICED = ("times_priced", "steps_priced")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +89,7 @@ def measure(policy: str, queue: int, cfg: HostTimeConfig) -> dict:
            "waiting_min": min(r.waiting for r in recs), "waiting_max": max(r.waiting for r in recs),
            "host_ms_p50": 1e3 * float(np.median(host)), "host_ms_p90": 1e3 * float(np.percentile(host, 90)),
            "phases_ms_p50": {p: 1e3 * float(np.median([r.phases.get(p, 0.0) for r in recs])) for p in HOST_PHASES}}
-    for k in ("remaining_time", "steps_needed"):
+    for k in PRICED:
         v = [c[k] for c in calls]
         out[f"{k}_mean"], out[f"{k}_max"] = float(np.mean(v)), int(max(v))
     return out
@@ -107,13 +112,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     print(f"{'policy':<12}{'queue':>6}{'iters':>6} | {'host ms p50':>11}{'p90':>7} | "
-          + "".join(f"{p:>9}" for p in HOST_PHASES) + f" | {'remaining_time/it':>17}{'max':>6}"
-          f"{'steps_needed/it':>16}{'max':>6}")
+          + "".join(f"{p:>9}" for p in HOST_PHASES) + f" | {'times_priced/it':>16}{'max':>6}"
+          f"{'steps_priced/it':>16}{'max':>6}")
     for r in rows:
         print(f"{r['policy']:<12}{r['queue']:>6}{r['iterations']:>6} | {r['host_ms_p50']:>11.3f}{r['host_ms_p90']:>7.3f} | "
               + "".join(f"{r['phases_ms_p50'][p]:>9.3f}" for p in HOST_PHASES)
-              + f" | {r['remaining_time_mean']:>17.1f}{r['remaining_time_max']:>6}"
-              f"{r['steps_needed_mean']:>16.1f}{r['steps_needed_max']:>6}")
+              + f" | {r['times_priced_mean']:>16.1f}{r['times_priced_max']:>6}"
+              f"{r['steps_priced_mean']:>16.1f}{r['steps_priced_max']:>6}")
     return 0
 
 

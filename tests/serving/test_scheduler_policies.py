@@ -265,7 +265,12 @@ def test_a_deep_queue_plans_only_what_is_within_reach(latency):
     out, deep_calls, ctl = plan(200, depth=4)
     assert len(out) == 200 and all(out[f"lost{i}"].at_risk for i in range(100))
     assert not out["live0"].at_risk  # the most urgent of the ones that can still make it is planned
-    assert deep_calls < shallow_calls / 4
+    assert deep_calls < 4 * 200  # each queued request priced once (the lost check), then the planned few
+    calls.clear()
+    waiting = [req(f"lost{i}", 0.0, 1e-3) for i in range(100)] + [req(f"live{i}", 0.0, 5.0 + i) for i in range(100)]
+    again = ctl.plan([], waiting, 0.0, 2, counting)
+    assert again == out  # the same queue at the same time: the same plan
+    assert len(calls) < shallow_calls / 10  # ... for the planned few alone: the lost check found what it needs
     calls.clear()
     ctl.plan([], [req(f"lost{i}", 0.0, 1e-3) for i in range(100)], 0.1, 2, counting)
     assert not calls  # lost ones are found once (ids remembered) and never planned again

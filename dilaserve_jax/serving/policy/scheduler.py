@@ -30,6 +30,7 @@ It still goes first after max_skip / share rounds, and it runs before then whene
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from dilaserve_jax.serving.policy.latency import LatencyModel
@@ -58,6 +59,9 @@ class SchedulerConfig:
     admission: str = "best-effort"  # or "strict": refuse what cannot meet its deadline (see module doc)
     drop_expired: bool = False  # finish requests past their deadline as FINISHED_DEADLINE
     latency_ema: float = 0.2  # online correction of the latency model from measured step times
+    # waiting requests priced again per published load when more wait (the rest keep their last
+    # price; see `snapshot`), so publishing costs no more at a deep queue than at this one
+    reprice_per_round: int = 16
     threshold: ThresholdConfig = field(default_factory=ThresholdConfig)
 
     def __post_init__(self) -> None:
@@ -65,8 +69,8 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.admission not in ADMISSION_MODES:
             raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {self.admission!r}")
-        if self.num_slots < 1 or self.tp < 1 or self.max_queue < 0 or self.max_skip < 1:
-            raise ValueError("num_slots, tp, max_skip must be >= 1 and max_queue >= 0")
+        if self.num_slots < 1 or self.tp < 1 or self.max_queue < 0 or self.max_skip < 1 or self.reprice_per_round < 1:
+            raise ValueError("num_slots, tp, max_skip, reprice_per_round must be >= 1 and max_queue >= 0")
         if self.max_batch is not None and self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if not 0 < self.at_risk_skip_share <= 1:
@@ -108,13 +112,19 @@ class Scheduler:
         self._aborts: list[str] = []
         self._releases: list[int] = []
         self._finished: list[Request] = []
-        self._memo: dict[tuple, float] = {}
+        self._memo: dict[tuple, float] = {}  # step times until the latency model or its correction changes
+        self._priced: OrderedDict[str, float] = OrderedDict()  # waiting request -> its last published price
+        self._views: dict[tuple[str, int], RequestView] = {}  # waiting requests' published views
 
     # --- latency ---
     def set_latency_model(self, latency: LatencyModel) -> None:
         """Replace the step-latency model (e.g. after measuring the instance at start-up)."""
         self.latency = latency
+        self._step_times_changed()
+
+    def _step_times_changed(self) -> None:
         self._memo.clear()
+        self.controller.invalidate()
 
     def step_time(self, kind: StepKind, batch: int, req: Request) -> float:
         """Seconds per round in which each of `batch` requests takes one step of `kind`: one batch,
@@ -172,6 +182,7 @@ class Scheduler:
         req = self.requests.pop(req_id)
         if req.slot is None:
             self.waiting.remove(req)
+            self._priced.pop(req_id, None)
         elif self.running.get(req.slot) is req:
             self._free_slot(req.slot)
         if req_id in self._aborts:
@@ -197,7 +208,6 @@ class Scheduler:
 
     # --- the round ---
     def schedule(self, now: float) -> StepPlan | None:
-        self._memo.clear()
         for rid in self._aborts:
             self._finish(self.requests[rid], RequestState.FINISHED_ABORTED, now)
         self._aborts.clear()
@@ -261,17 +271,26 @@ class Scheduler:
         if not self.waiting or not self.free_slots:
             return ()
         admits = []
+        room_for_risk: bool | None = None  # does the group have room for one more at-risk request (same for each)
         for w in sorted(self.waiting, key=self._order_key(now)):
             if not self.free_slots:
                 break
             group = list(self.running.values())
-            if self.cfg.adaptive and group and not self._starved(w) and not self._fits(group, w, now, admitting=True):
-                continue
+            if self.cfg.adaptive and group and not self._starved(w):
+                if w.at_risk:
+                    if room_for_risk is None:
+                        room_for_risk = self._fits(group, w, now, admitting=True)
+                    if not room_for_risk:
+                        continue
+                elif not self._fits(group, w, now, admitting=True):
+                    continue
             slot = self.free_slots.pop(0)
             self.waiting.remove(w)
+            self._priced.pop(w.id, None)
             w.transition(RequestState.RUNNING, now)
             w.slot, w.needs_refresh, w.steps_skipped = slot, True, 0
             self.running[slot] = w
+            room_for_risk = None
             admits.append(Admission(slot, w.id, w.prompt_tokens, w.answer_length, w.block_length,
                                     w.temperature, w.seed, w.committed_answer, len(w.steps)))
         for w in self.waiting:  # passed over while a slot was free: counts towards starvation
@@ -332,10 +351,12 @@ class Scheduler:
         if pred > 0:
             ratio = min(10.0, max(0.1, duration / pred))
             self.lat_scale[plan.kind] += a * (ratio - self.lat_scale[plan.kind])
+            self._step_times_changed()
 
     def _finish(self, req: Request, state: RequestState, now: float) -> None:
         if req.slot is None:
             self.waiting.remove(req)
+            self._priced.pop(req.id, None)
         elif self.running.get(req.slot) is req:
             self._free_slot(req.slot)
         req.transition(state, now)
@@ -368,18 +389,51 @@ class Scheduler:
         return self.controller.remaining_time(req, req.tau_max if tau is None else tau, batch, self.step_time)
 
     def snapshot(self, now: float) -> LoadSnapshot:
+        """The published load. Waiting requests beyond `reprice_per_round` are priced again a
+        slice per round, oldest price first (approximation: a queued request's price lags the
+        estimates by at most queue / reprice_per_round rounds); the requests' own state does not
+        change while they wait, only the estimates and their planned τ do."""
         b = max(1, min(self.cfg.num_slots, len(self.running) + len(self.waiting)))
-
-        def left(r: Request) -> float:
-            # a request added since the last round has no decision yet: priced at its ceiling, as
-            # an unplanned one is
-            d = self.decisions.get(r.id)
-            tau = d.tau if d else r.tau_max if self.cfg.adaptive else self._tau(r)
-            return self.request_time(r, b, tau)
+        running = tuple(self._price(r, b) for r in self.running.values())
         reqs = [*self.running.values(), *self.waiting]
-        return LoadSnapshot(now, self.cfg.num_slots, self.cfg.tp, tuple(left(r) for r in self.running.values()),
-                            tuple(left(r) for r in self.waiting), self.estimator(), tuple(r.deadline for r in reqs),
-                            tuple(RequestView.of(r) for r in reqs if r.at_risk), self.quality())
+        views, self._views = self._views, {}
+        at_risk = []
+        for r in reqs:
+            if r.at_risk:
+                key = (r.id, r.moves)
+                v = views.get(key) if r.slot is None else None  # a running one's view changes every step
+                at_risk.append(v or RequestView.of(r))
+                if r.slot is None:
+                    self._views[key] = at_risk[-1]
+        return LoadSnapshot(now, self.cfg.num_slots, self.cfg.tp, running, self._waiting_prices(b),
+                            self.estimator(), tuple(r.deadline for r in reqs), tuple(at_risk), self.quality())
+
+    def _price(self, r: Request, batch: int) -> float:
+        # a request added since the last round has no decision yet: priced at its ceiling, as an
+        # unplanned one is
+        d = self.decisions.get(r.id)
+        tau = d.tau if d else r.tau_max if self.cfg.adaptive else self._tau(r)
+        return self.request_time(r, batch, tau)
+
+    def _waiting_prices(self, batch: int) -> tuple[float, ...]:
+        priced = self._priced  # maintained: only requests still waiting, the oldest price first
+        if len(self.waiting) <= self.cfg.reprice_per_round:
+            priced.clear()
+            for r in self.waiting:
+                priced[r.id] = self._price(r, batch)
+            return tuple(priced.values())
+        for _ in range(min(self.cfg.reprice_per_round, len(priced))):
+            rid, _p = priced.popitem(last=False)
+            r = self.requests.get(rid)
+            if r is not None and r.slot is None:  # (every way out of the queue drops its price)
+                priced[rid] = self._price(r, batch)
+        out = []
+        for r in self.waiting:
+            p = priced.get(r.id)
+            if p is None:  # new here
+                p = priced[r.id] = self._price(r, batch)
+            out.append(p)
+        return tuple(out)
 
     def estimator(self) -> RequestEstimator:
         taus = tuple(sorted(set(self.controller.cfg.grid)))

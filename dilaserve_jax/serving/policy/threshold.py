@@ -16,7 +16,12 @@ request's τ_min) to the highest cap that makes as many as possible feasible —
 *before* requests miss. When more than `plan_depth` x slots requests queue, those past saving
 (they would miss even started now, alone, at τ_min; found once each) and the least urgent beyond
 that depth are not planned that round: they wait at risk, and a round's cost stays bounded however
-deep the queue. A request infeasible even at τ_min is marked at risk: it does not hold a
+deep the queue. Whether a queued request is past saving is checked again only when the time its
+last check gave it runs out (approximation: a request whose predicted time grows since is found
+lost that much later; until then it is one more candidate the plan itself marks at risk).
+Prices are memoised until an estimate changes (a step's observation, the latency correction), so
+the plan, admission, batching and the published load price each (request, τ, batch) once, and the
+plan prices a τ only when a pass reaches it. A request infeasible even at τ_min is marked at risk: it does not hold a
 place in the slot model and the scheduler runs it only on spare capacity.
 
 Quality budget (`ThresholdConfig.quality`, see `quality.py`): the plan above gives each request the
@@ -142,10 +147,15 @@ class Decision:
 
 @dataclass(slots=True)
 class _Cand:
+    """A request in one plan: its allowed τ, and what its remaining time at each is made of (the
+    terms of `ThresholdController.remaining_time` that do not depend on τ, taken once)."""
     req: Request
-    taus: list[float]  # descending
-    durs: list[float]  # predicted seconds to finish at each τ
+    taus: Sequence[float]  # descending
+    durs: list[float | None]  # predicted seconds to finish at each τ, priced when a pass first needs it
     running: bool
+    per_refresh: float  # seconds per own refresh step (its batch plus the wait for the others' reuse)
+    per_reuse: float  # seconds per own reuse step
+    ratio: float  # its tokens per step against the average
 
 
 @dataclass(slots=True)
@@ -158,9 +168,16 @@ class ThresholdController:
     budget: QualityBudget | None = None  # from cfg.quality
     _last_tau: dict[str, float] = field(default_factory=dict)
     _floors: dict[str, float] = field(default_factory=dict)  # lowest τ the budget allows, this round
-    _durations: dict[tuple[str, float], float] = field(default_factory=dict)  # this round's remaining times
     _lost: set[str] = field(default_factory=set)  # queued requests past saving (deep queues only)
     _lowest: dict[str, float] = field(default_factory=dict)  # lowest τ each may run at (budget's grant)
+    _lost_due: dict[str, float] = field(default_factory=dict)  # queued: when to check again if it is lost
+    # prices until an estimate changes (`invalidate`): keys carry the request's block state and ratio
+    _steps_memo: dict[str, tuple[tuple, dict[float, tuple[float, float, tuple[int, int]]]]] = \
+        field(default_factory=dict)  # id -> (its block state, τ -> (valid for rates in lo..hi, steps))
+    _time_memo: dict[tuple, float] = field(default_factory=dict)
+    _priced_with: StepTime | None = None  # the step-time function _time_memo holds prices of
+    _unplanned_memo: dict[str, Decision] = field(default_factory=dict)  # queued, unplanned: its decision
+    _cands_memo: dict[tuple[float, float], tuple[float, ...]] = field(default_factory=dict)  # (τ_min, τ_max) ->
 
     def __post_init__(self) -> None:
         if self.tps is None:
@@ -183,11 +200,21 @@ class ThresholdController:
         r += self.cfg.request_ema * (n_committed / expected - r)
         self.ratios[req.id] = min(4.0, max(0.25, r))
         self.tps.observe(tau, n_committed)
+        self.invalidate()
+
+    def invalidate(self) -> None:
+        """An estimate changed (tokens per step here; the caller's step times): drop memoised times
+        (steps left are memoised with the rates they hold for, so they stay)."""
+        self._time_memo.clear()
 
     def forget(self, req_id: str, served_loss: float | None = None) -> None:
         """The request left; `served_loss`: it finished ok with this predicted loss (counts in the mean)."""
         self.ratios.pop(req_id, None)
         self._lost.discard(req_id)
+        self._lost_due.pop(req_id, None)
+        self._unplanned_memo.pop(req_id, None)
+        self._steps_memo.pop(req_id, None)
+        self.invalidate()  # an id may come back (moved away and back): no price of its old state survives
         self._lowest.pop(req_id, None)
         self._last_tau.pop(req_id, None)
         self._floors.pop(req_id, None)
@@ -197,19 +224,46 @@ class ThresholdController:
     def quality_snapshot(self) -> QualitySnapshot | None:
         return None if self.budget is None else self.budget.snapshot()
 
-    def candidates(self, req: Request) -> list[float]:
-        taus = {t for t in self.cfg.grid if req.tau_min <= t <= req.tau_max} | {req.tau_min, req.tau_max}
-        return sorted(taus, reverse=True)
+    def candidates(self, req: Request) -> tuple[float, ...]:
+        key = (req.tau_min, req.tau_max)
+        out = self._cands_memo.get(key)
+        if out is None:
+            taus = {t for t in self.cfg.grid if req.tau_min <= t <= req.tau_max} | {req.tau_min, req.tau_max}
+            out = self._cands_memo[key] = tuple(sorted(taus, reverse=True))
+        return out
 
-    def _allowed(self, req: Request) -> list[float]:
+    def _allowed(self, req: Request) -> Sequence[float]:
         """Candidates at or above this round's budget floor (τ_min stays the hard floor)."""
         floor = self._floors.get(req.id)
         cands = self.candidates(req)
-        return cands if floor is None else [t for t in cands if t >= floor - 1e-12] or cands[:1]
+        return cands if floor is None else tuple(t for t in cands if t >= floor - 1e-12) or cands[:1]
 
     def steps_needed(self, req: Request, tau: float) -> tuple[int, int]:
-        """(refresh steps, reuse steps) to finish at τ, at this request's own tokens per step."""
-        return steps_left(req, self.tps.rate(tau) * self.ratios.get(req.id, 1.0))
+        """(refresh steps, reuse steps) to finish at τ, at this request's own tokens per step.
+
+        Memoised with the range of tokens per step the answer holds for (the counts are ceilings
+        of the masked tokens over it), so the estimates' small moves between steps price nothing."""
+        x = max(1.0, self.tps.rate(tau) * self.ratios.get(req.id, 1.0))
+        state = (req.block_index, req.block_committed, req.needs_refresh)
+        memo = self._steps_memo.get(req.id)
+        if memo is None or memo[0] != state:
+            memo = self._steps_memo[req.id] = (state, {})
+        hit = memo[1].get(tau)
+        if hit is not None and hit[0] < x < hit[1]:
+            return hit[2]
+        out = self._count_steps(req, x)
+        if req.blocks_left == 0:
+            lo, hi = -math.inf, math.inf
+        else:
+            lo1, hi1 = _ceiling_range(req.masked_in_block, x)
+            lo2, hi2 = _ceiling_range(req.block_length, x)
+            lo, hi = max(lo1, lo2), min(hi1, hi2)
+        memo[1][tau] = (lo, hi, out)
+        return out
+
+    @staticmethod
+    def _count_steps(req: Request, tokens_per_step: float) -> tuple[int, int]:
+        return steps_left(req, tokens_per_step)
 
     def refresh_fraction(self, req: Request, tau: float) -> float:
         n_ref, n_reu = self.steps_needed(req, tau)
@@ -225,14 +279,30 @@ class ThresholdController:
         """
         if others_refreshing is None:
             others_refreshing = (batch - 1) * self.mean_refresh_fraction
+        if step_time is not self._priced_with and step_time != self._priced_with:  # another clock of steps
+            self._time_memo.clear()
+            self._priced_with = step_time
+        key = (req.id, tau, batch, others_refreshing, self.ratios.get(req.id, 1.0), req.block_index,
+               req.block_committed, req.needs_refresh)
+        out = self._time_memo.get(key)
+        if out is None:
+            out = self._time_memo[key] = self._time_to_finish(req, tau, batch, step_time, others_refreshing)
+        return out
+
+    def _time_to_finish(self, req: Request, tau: float, batch: int, step_time: StepTime,
+                        others_refreshing: float) -> float:
         n_ref, n_reu = self.steps_needed(req, tau)
+        per_refresh, per_reuse = self._step_costs(req, batch, step_time, others_refreshing)
+        return (n_ref * per_refresh + n_reu * per_reuse) * self.cfg.safety
+
+    def _step_costs(self, req: Request, batch: int, step_time: StepTime, others_refreshing: float) -> tuple[float, float]:
+        """Seconds per own refresh and per own reuse step, the wait for the others' batches included."""
         t_ref = step_time(StepKind.REFRESH, batch, req)
         t_reu = step_time(StepKind.REUSE, batch, req)
         t_ref_others = step_time(StepKind.REFRESH, max(1, min(batch, math.ceil(others_refreshing))), req)
         wait_reuse = (1 - self.cfg.refresh_alignment) * min(1.0, others_refreshing) * t_ref_others
         wait_refresh = t_reu if batch > 1 else 0.0  # per own refresh step
-        t = n_ref * (t_ref + wait_refresh) + n_reu * (t_reu + wait_reuse)
-        return t * self.cfg.safety
+        return t_ref + wait_refresh, t_reu + wait_reuse
 
     def lowest_tau(self, req: Request) -> float:
         """The lowest τ it may run at: what the budget's last grant allows it (its free τ, or the
@@ -253,9 +323,7 @@ class ThresholdController:
         depth = self.cfg.plan_depth * num_slots
         beyond: list[Request] = []
         if len(waiting) > depth:  # deep queue: the lost ones and the least urgent of the rest wait unplanned
-            for w in waiting:  # lost: misses even started now alone at τ_min (stays so while it waits)
-                if w.id not in self._lost and now + self.remaining_time(w, w.tau_min, 1, step_time) > w.deadline:
-                    self._lost.add(w.id)
+            self._find_lost(waiting, now, step_time)
             beyond = [w for w in waiting if w.id in self._lost]
             order = sorted((w for w in waiting if w.id not in self._lost), key=lambda w: (w.deadline, w.arrival))
             waiting, beyond = order[:depth], beyond + order[depth:]
@@ -278,7 +346,7 @@ class ThresholdController:
                 members.append(req)
             else:
                 risky.add(req.id)
-        self._floors, self._durations = {}, {}
+        self._floors = {}
         cap, best = self._solve(active, fracs, risky, now, num_slots, free, step_time)
         if self.budget is not None:
             reqs = [r for r, _ in active]
@@ -299,9 +367,29 @@ class ThresholdController:
             req.at_risk = best[req.id].at_risk
         return self._unplanned(beyond, now, best)
 
+    def _find_lost(self, waiting: Sequence[Request], now: float, step_time: StepTime) -> None:
+        """Mark the queued requests that miss even started now, alone, at τ_min (they stay so while
+        they wait). Each is priced again only once the slack its last check found has run out."""
+        lost, due = self._lost, self._lost_due
+        for w in waiting:
+            if w.id in lost or now <= due.get(w.id, -math.inf):
+                continue
+            latest_start = w.deadline - self.remaining_time(w, w.tau_min, 1, step_time)
+            if now > latest_start:
+                lost.add(w.id)
+                due.pop(w.id, None)
+            else:
+                due[w.id] = latest_start
+
     def _unplanned(self, beyond: Sequence[Request], now: float, best: dict[str, Decision]) -> dict[str, Decision]:
-        for w in beyond:  # not planned this round: lowest priority, and fast if it runs anyway
-            best[w.id] = Decision(self.fast_tau(w), True, now, now)
+        """Not planned this round: lowest priority, and fast if it runs anyway. Its decision is made
+        once while it waits (a queued request's state does not change; its slack counts from now)."""
+        memo = self._unplanned_memo
+        for w in beyond:
+            d = memo.get(w.id)
+            if d is None:
+                d = memo[w.id] = Decision(self.fast_tau(w), True, now, now)
+            best[w.id] = d
             w.at_risk = True
         return best
 
@@ -313,17 +401,10 @@ class ThresholdController:
             return cands[-1]
         return min((t for t in cands if self.budget.cost(req, t) <= 1e-12), default=cands[0])
 
-    def _duration(self, req: Request, tau: float, batch: int, step_time: StepTime, others: float) -> float:
-        key = (req.id, tau)  # batch and others are fixed within one plan
-        d = self._durations.get(key)
-        if d is None:
-            d = self._durations[key] = self.remaining_time(req, tau, batch, step_time, others)
-        return d
-
     def _plan_candidates(self, active, fracs, excluded: set[str], num_slots: int, step_time: StepTime,
-                         allowed: Callable[[Request], list[float]]) -> list[_Cand]:
-        """Each request's allowed τ with its remaining time at each, in planning order (running first,
-        then by deadline)."""
+                         allowed: Callable[[Request], Sequence[float]]) -> list[_Cand]:
+        """Each request's allowed τ (priced when a pass reaches them), in planning order (running
+        first, then by deadline)."""
         n = len(active) - len(excluded)
         batch = max(1, min(n, num_slots))
         per_slot = (batch - 1) / max(1, n - 1) if n > 1 else 0.0
@@ -333,10 +414,19 @@ class ThresholdController:
             own = 0.0 if req.id in excluded else fracs[req.id]
             others = (total - own) * per_slot  # only `batch` of them run concurrently
             taus = allowed(req)
-            durs = [self._duration(req, t, batch, step_time, others) for t in taus]
-            cands.append(_Cand(req, taus, durs, is_running))
+            per_refresh, per_reuse = self._step_costs(req, batch, step_time, others)
+            cands.append(_Cand(req, taus, [None] * len(taus), is_running, per_refresh, per_reuse,
+                               self.ratios.get(req.id, 1.0)))
         cands.sort(key=lambda c: (not c.running, c.req.id in excluded, c.req.deadline, c.req.arrival))
         return cands
+
+    def _dur(self, c: _Cand, i: int) -> float:
+        """`remaining_time` of the candidate at its i-th τ (the same terms, its constant ones taken once)."""
+        d = c.durs[i]
+        if d is None:
+            n_ref, n_reu = self.steps_needed(c.req, c.taus[i])
+            d = c.durs[i] = (n_ref * c.per_refresh + n_reu * c.per_reuse) * self.cfg.safety
+        return d
 
     def _solve(self, active, fracs, excluded: set[str], now: float, num_slots: int, free: int,
                step_time: StepTime) -> tuple[float, dict[str, Decision]]:
@@ -352,17 +442,18 @@ class ThresholdController:
         lo, hi = 0, len(caps) - 1
         while lo <= hi:
             mid = (lo + hi) // 2
-            res = self._pass(cands, now, free, caps[mid])
-            queue_ok = all(d.at_risk or c.running or d.tau >= min(caps[mid], c.taus[0]) - 1e-9
-                           for c in cands for d in (res[c.req.id],))
-            if _misses(res) <= floor_misses and queue_ok:
+            res = self._pass(cands, now, free, caps[mid], floor_misses)
+            if res is not None:
                 best_cap, best, hi = caps[mid], res, mid - 1
             else:
                 lo = mid + 1
         return best_cap, best
 
-    @staticmethod
-    def _pass(cands: list[_Cand], now: float, free: int, cap: float) -> dict[str, Decision]:
+    def _pass(self, cands: list[_Cand], now: float, free: int, cap: float,
+              may_miss: set[str] | None = None) -> dict[str, Decision] | None:
+        """Each candidate's τ at this cap, in order, each queued one starting when a slot frees.
+        With `may_miss` (the floor's misses) the pass is a test of the cap: None as soon as a
+        request outside it misses, or a queued one cannot run at the cap (its highest τ below it)."""
         slots = [now] * free  # times at which slots free up
         heapq.heapify(slots)
         out = {}
@@ -374,21 +465,39 @@ class ThresholdController:
             else:
                 start = math.inf
             choice = None
-            for t, d in zip(c.taus, c.durs):
-                if (t <= cap or t == c.taus[-1]) and start + d <= c.req.deadline:
-                    choice = (t, d)
-                    break
+            last = len(c.taus) - 1
+            for i, t in enumerate(c.taus):
+                if t <= cap or i == last:
+                    d = self._dur(c, i)
+                    if start + d <= c.req.deadline:
+                        choice = (t, d)
+                        break
             if choice is None:  # hopeless even at τ_min: run fast when it runs, hold no place
-                t, d = c.taus[-1], c.durs[-1]
+                if may_miss is not None and c.req.id not in may_miss:
+                    return None
+                t, d = c.taus[-1], self._dur(c, last)
                 out[c.req.id] = Decision(t, True, start + d, start)
                 if c.running:
                     heapq.heappush(slots, now + d)
                 elif math.isfinite(start):
                     heapq.heappush(slots, start)
             else:
+                if may_miss is not None and not c.running and choice[0] < min(cap, c.taus[0]) - 1e-9:
+                    return None
                 out[c.req.id] = Decision(choice[0], False, start + choice[1], start)
                 heapq.heappush(slots, start + choice[1])
         return out
+
+
+_MARGIN = 1e-9  # relative: a rate this close to a step of the ceiling is priced again, not trusted
+
+
+def _ceiling_range(masked: int, x: float) -> tuple[float, float]:
+    """The open range of rates (>= 1) around x over which max(1, ceil(masked / rate)) keeps its value."""
+    k = math.ceil(masked / x)
+    # rates are clamped to >= 1, so the lowest step (k = masked, at rate 1) reaches down to any rate
+    lo = -math.inf if k >= masked else masked / k * (1 + _MARGIN)
+    return lo, (math.inf if k <= 1 else masked / (k - 1) * (1 - _MARGIN))
 
 
 def _misses(res: Mapping[str, Decision]) -> set[str]:
