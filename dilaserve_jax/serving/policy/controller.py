@@ -21,7 +21,11 @@ Every `interval_s` the cluster (or the simulator) calls `decide(now, current, sn
   `confirmations` rounds in a row, and `min_dwell_s` passed since the last switch, so it does not
   flap. No switch before the load estimate is trusted: `min_arrivals` in the window, and one full
   `window_s` since the first arrival (a rate from the first few seconds of a burst says little, and
-  a switch costs a recompilation and a pause). Every decision carries its reason and predictions, kept in `history`.
+  a switch costs a recompilation and a pause). Nor while the load is still moving: when the rate
+  over the window's last half differs from the window's rate by more than `settle_tolerance` (25%)
+  and by more than 3 Poisson standard deviations, the window rate lags a ramp and a switch would
+  land on a layout for a load already gone (then dwell), so the decision waits for the window to
+  catch up. Every decision carries its reason and predictions, kept in `history`.
 - **Migration.** `plan_migrations`: a request at risk on one instance (it cannot meet its deadline
   there even at its τ floor) moves at the next step boundary to an instance with a free slot and
   an empty queue whose estimate says it will meet it there.
@@ -52,6 +56,7 @@ class ControllerConfig:
     hysteresis: float = 0.02  # objective gain (≈ attainment points / 100) needed beyond the cost
     confirmations: int = 2  # rounds the same layout must win before a switch
     min_arrivals: int = 8  # arrivals in the window before any switch
+    settle_tolerance: float | None = 0.25  # no switch while the last half-window's rate is off by more (None: off)
     sample_size: int = 64  # recent request shapes kept for prediction
     bandwidth_gbps: float = opt(100.0, "device-to-device bandwidth (GB/s into each device) the controller assumes "
                                        "for resharding", name="--interconnect-gbps")
@@ -67,6 +72,8 @@ class ControllerConfig:
             raise ValueError("interval, window, horizon and bandwidth must be positive")
         if self.min_dwell_s < 0 or self.hysteresis < 0 or self.compile_s < 0 or self.confirmations < 1:
             raise ValueError("dwell, hysteresis and compile time must be >= 0, confirmations >= 1")
+        if self.settle_tolerance is not None and not self.settle_tolerance >= 0:
+            raise ValueError("settle tolerance must be >= 0 (or None: off)")
         if not 0 < self.target_utilisation <= 1 or self.sample_size < 1 or self.max_migrations < 0:
             raise ValueError("target utilisation in (0, 1], sample size >= 1, max migrations >= 0")
 
@@ -165,6 +172,24 @@ class ClusterController:
         span = min(self.cfg.window_s, max(now - recent[0][0], self.cfg.interval_s))
         return len(recent) / span, [s for _, s in recent[-self.cfg.sample_size:]]
 
+    def load_moving(self, now: float) -> str | None:
+        """Why the window's rate is not yet the load (it lags a ramp), or None when it has settled:
+        the rate over the window's last half against the whole window's (see the module doc)."""
+        tol = self.cfg.settle_tolerance
+        if tol is None:
+            return None
+        w = self.cfg.window_s
+        with self._lock:
+            times = [t for t, _ in self._arrivals if t >= now - w]
+        whole = len(times) / w
+        recent = sum(1 for t in times if t >= now - w / 2) / (w / 2)
+        diff = abs(recent - whole)
+        noise = 3.0 * (2.0 * max(whole, 1e-9) / w) ** 0.5  # 3 sd of the half-window rate at the window's rate
+        if diff > tol * max(recent, whole) and diff > noise:
+            return (f"{recent:.1f} req/s over the last {w / 2:g} s against {whole:.1f} over {w:g} s "
+                    f"(settled within {100 * tol:.0f}%)")
+        return None
+
     # --- the layout decision ---
     def predict(self, rate: float, sample: Sequence[RequestShape],
                 layouts: Sequence[tuple[int, ...]] | None = None) -> list[LayoutPrediction]:
@@ -223,6 +248,8 @@ class ClusterController:
             seen = 0.0 if self._first_arrival is None else now - self._first_arrival
             reason = (f"load estimate not trusted yet: {seen:.0f} s of arrivals seen, a full {self.cfg.window_s:g} s "
                       f"window needed")
+        elif (moving := self.load_moving(now)) is not None:
+            reason = f"load still changing: {moving}"
         elif self.last_switch is not None and now - self.last_switch < self.cfg.min_dwell_s:
             reason = f"dwell: {now - self.last_switch:.0f} s since the last switch (min {self.cfg.min_dwell_s:g} s)"
         elif streak < self.cfg.confirmations:
