@@ -1,0 +1,57 @@
+"""The changing-load evaluation: its workloads at a time scale, its systems, and the issue's verdicts
+on hand-built rows (each verdict both ways)."""
+import math
+
+import pytest
+
+from dilaserve_jax.sim.evaluate_changing import (AUTO, ChangingConfig, dominates, jobs_of, relative_verdict, systems,
+                                                 tight_verdict, verdict, workload_args)
+
+
+def _row(system, att, lat):
+    return {"system": system, "slo_attainment": att, "mean_latency": lat}
+
+
+STATIC = ["fcfs-static 8x1", "edf-static 2x4", "dilaserve 4x2"]
+
+
+def test_tight_slos_need_auto_ten_points_above_every_static_system():
+    rows = [_row(AUTO, 0.60, 1.0), _row(STATIC[0], 0.45, 0.5), _row(STATIC[1], 0.49, 2.0), _row(STATIC[2], 0.30, 1.0)]
+    v = tight_verdict(rows)
+    assert v["ok"] and v["best_static"] == STATIC[1] and v["gap_points"] == pytest.approx(11.0)
+    rows[2] = _row(STATIC[1], 0.51, 2.0)  # 9 points short of auto: not beaten by 10
+    v = tight_verdict(rows)
+    assert v["ok"] is False and v["not_beaten"] == [STATIC[1]] and "need >= +10" in v["reason"]
+    assert verdict(rows, 8)["ok"] is False and tight_verdict(rows[:1])["ok"] is None
+
+
+def test_relative_slos_need_every_static_system_worse_or_slower():
+    auto = _row(AUTO, 0.90, 1.00)
+    assert dominates(_row("s", 0.90, 1.00), auto)  # as good and as fast
+    assert dominates(_row("s", 0.86, 1.19), auto)  # 4 points worse, 19% slower: still dominates
+    assert not dominates(_row("s", 0.85, 0.50), auto)  # 5 points worse
+    assert not dominates(_row("s", 0.99, 1.20), auto)  # better attainment but 20% slower
+    assert not dominates(_row("s", 0.99, math.nan), auto)  # nothing completed: infinitely slow
+    rows = [auto, _row(STATIC[0], 0.80, 0.9), _row(STATIC[1], 0.95, 1.3), _row(STATIC[2], 0.89, 5.0)]
+    assert relative_verdict(rows)["ok"] and verdict(rows, 1)["ok"]
+    rows.append(_row("edf-static 8x1", 0.88, 0.95))  # 2 points worse, faster: dominates auto
+    v = relative_verdict(rows)
+    assert v["ok"] is False and v["dominated_by"] == ["edf-static 8x1"] and "edf-static 8x1" in v["reason"]
+
+
+def test_workloads_compress_their_timelines_and_every_static_layout_runs(tmp_path):
+    assert workload_args("diurnal", trace="t.csv", time_scale=0.25, trace_speed=15)["trace"] == "diurnal:55:300:0.818"
+    step = workload_args("step", trace="t.csv", time_scale=0.5, trace_speed=15)
+    assert step["trace"] == "steps:20@150,90@150,20@150" and step["duration"] == 450 and step["lengths"] == "t.csv"
+    tr = workload_args("trace", trace="t.csv", time_scale=1, trace_speed=15)
+    assert (tr["trace"], tr["rate_scale"], tr["duration"], tr["lengths"]) == ("t.csv", 15, 900, None)
+    with pytest.raises(ValueError):
+        workload_args("burst", trace="t.csv", time_scale=1, trace_speed=15)
+    names = [f"{p} {lay}" for p, lay in systems(8)]
+    assert len(names) == 13 and names[-1] == AUTO
+    assert {"fcfs-static 1x8", "edf-static 4x2", "dilaserve 8x1", "dilaserve 2x4"} <= set(names)
+    csv = tmp_path / "t.csv"
+    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,1,1\n")
+    jobs = jobs_of(ChangingConfig(trace=str(csv), workloads=("step", "trace"), slo_tps=(1, 8), time_scale=0.1))
+    assert len(jobs) == 2 * 2 * 13 and {j["slo_tp"] for j in jobs} == {1, 8}
+    assert all(j["duration"] == pytest.approx(90.0) for j in jobs)
