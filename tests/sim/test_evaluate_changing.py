@@ -55,3 +55,25 @@ def test_workloads_compress_their_timelines_and_every_static_layout_runs(tmp_pat
     jobs = jobs_of(ChangingConfig(trace=str(csv), workloads=("step", "trace"), slo_tps=(1, 8), time_scale=0.1))
     assert len(jobs) == 2 * 2 * 13 and {j["slo_tp"] for j in jobs} == {1, 8}
     assert all(j["duration"] == pytest.approx(90.0) for j in jobs)
+
+
+def test_steady_load_verdict_over_seeds_and_the_evaluate_parsers():
+    from dilaserve_jax.sim import evaluate, evaluate_changing
+    from dilaserve_jax.sim.evaluate import over_seeds, steady_verdicts
+
+    def r(system, seed, att, lat, rate=50.0):
+        return {"workload": "poisson", "devices": 8, "system": system, "rate": rate, "seed": seed,
+                "slo_attainment": att, "mean_latency": lat, "requests": 100}
+
+    rows = over_seeds([r(AUTO, 0, 0.95, 0.2), r(AUTO, 1, 0.91, 0.2), r("dilaserve 4x2", 0, 0.95, 0.1),
+                       r("dilaserve 4x2", 1, 0.93, 0.1), r("edf-static 8x1", 0, 0.50, 0.1), r("edf-static 8x1", 1, 0.5, 0.1)])
+    auto = next(x for x in rows if x["system"] == AUTO)
+    assert auto["slo_attainment"] == pytest.approx(0.93) and auto["min_slo_attainment"] == 0.91 and auto["seeds"] == 2
+    (v,) = steady_verdicts(rows, ["dilaserve 4x2", "edf-static 8x1"])
+    # within 2 points of the best static system, but both >= 90% and twice its latency: fails
+    assert v["best_static"] == "dilaserve 4x2" and v["gap_points"] == pytest.approx(-1.0) and not v["ok"]
+    (v,) = steady_verdicts(rows, ["edf-static 8x1"])
+    assert v["ok"] and v["latency_change"] is None
+    for mod in (evaluate, evaluate_changing):  # every flag says what it does
+        parser = mod.build_parser()
+        assert parser.description and not [a.dest for a in parser._actions if not a.help]
