@@ -216,10 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(log)
     jobs = jobs_of(args)
     rows: list[dict] = []
+    other: list[dict] = []  # points of the resumed file this run does not ask for: kept in its output
     wanted = {_key({**j, "system": f"{j['policy']} {j['layout']}"}) for j in jobs}
     if args.resume and Path(args.resume).is_file():
         done = {_key(r): r for r in json.loads(Path(args.resume).read_text())["rows"]}
         rows = [r for k, r in done.items() if k in wanted]
+        other = [r for k, r in done.items() if k not in wanted]
         jobs = [j for j in jobs if _key({**j, "system": f"{j['policy']} {j['layout']}"}) not in done]
         log.info(f"{len(rows)} points reused from {args.resume}")
     log.info(f"{len(jobs)} simulations on {args.jobs} processes")
@@ -242,13 +244,13 @@ def main(argv: list[str] | None = None) -> int:
                 bar.update(1)
                 bar.set_postfix_str(f"{row['workload']} tp{row['slo_tp']} {row['system']}")
             if out_path is not None:
-                out_path.write_text(json.dumps({"rows": rows}, indent=1, default=str))
+                out_path.write_text(json.dumps({"rows": rows + other}, indent=1, default=str))
     if bar is not None:
         bar.close()
     verdicts = report(rows, args)
     print(f"\n{len(rows)} points, {len(jobs)} simulated now in {time.perf_counter() - t0:.0f} s wall")
     if out_path is not None:
-        out_path.write_text(json.dumps({"rows": rows, "verdicts": verdicts, "time_scale": args.time_scale},
+        out_path.write_text(json.dumps({"rows": rows + other, "verdicts": verdicts, "time_scale": args.time_scale},
                                        indent=1, default=str))
         log.info(f"wrote {out_path}")
     return 0
