@@ -45,7 +45,7 @@ from dilaserve_jax.serving.policy.latency import Profile
 from dilaserve_jax.serving.policy.scheduler import POLICIES
 from dilaserve_jax.sim.report import summarize
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dilaserve_jax.bench.sim_validate")  # one logger, run as -m or imported (sim_validate_pair)
 
 TARGET_POINTS = 5.0
 TARGET_LATENCY = 0.15
