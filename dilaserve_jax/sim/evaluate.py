@@ -84,7 +84,8 @@ def _point(job: dict) -> dict:
     t0 = time.process_time()
     row, res = run(*configs(parser, parser.parse_args(argv)))
     row.update({"system": name_of(job["policy"], job["layout"], job["ablate"]), "workload": job["workload"],
-                "rate": job["rate"], "cpu_s": time.process_time() - t0, "duration": job["duration"], "seed": job["seed"],
+                "rate": job["rate"], "cpu_s": time.process_time() - t0, "duration": job["duration"],
+                "seed": job["seed"],
                 "part": job.get("part", "main"),
                 "layouts": res.layouts[:20], "ablate": job["ablate"], "policy": job["policy"]})
     return row
@@ -196,8 +197,8 @@ def steady_verdicts(rows: list[dict], statics: list[str], ours: str = "dilaserve
     for rate in sorted({r["rate"] for r in rows if r["system"] == ours}):
         at = {r["system"]: r for r in rows if r["rate"] == rate}
         # the best: the highest attainment, the lower mean latency among equals
-        best = max((at[s] for s in statics if s in at), key=lambda r: (round(r["slo_attainment"], 9), -r["mean_latency"]),
-                   default=None)
+        best = max((at[s] for s in statics if s in at), default=None,
+                   key=lambda r: (round(r["slo_attainment"], 9), -r["mean_latency"]))
         if best is None or ours not in at:
             continue
         a = at[ours]
@@ -262,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     for workload in args.workloads:
         main_rows = sorted((r for r in mean if r["workload"] == workload and r["devices"] == args.devices
                             and r.get("part", "main") == "main"), key=lambda r: (r["rate"], r["system"]))
-        print(f"\n== {workload} ({args.devices} devices, {args.duration:g} s of arrivals per point, mean over {seeds}) ==")
+        print(f"\n== {workload} ({args.devices} devices, {args.duration:g} s of arrivals per point, "
+              f"mean over {seeds}) ==")
         print(format_table(main_rows))
         steady = steady_verdicts(main_rows, statics)
         out["steady"][workload] = steady

@@ -1,4 +1,4 @@
-"""`python -m dilaserve_jax.sim.evaluate_changing`: issue 29's changing loads, `--layout auto` against every static system.
+"""`python -m dilaserve_jax.sim.evaluate_changing`: issue 29's changing loads, auto against every static system.
 
 Three workloads on `--devices` (8) modelled H100s (analytic LLaDA-8B), code-trace lengths:
 

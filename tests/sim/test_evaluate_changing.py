@@ -66,7 +66,8 @@ def test_steady_load_verdict_over_seeds_and_the_evaluate_parsers():
                 "slo_attainment": att, "mean_latency": lat, "requests": 100}
 
     rows = over_seeds([r(AUTO, 0, 0.95, 0.2), r(AUTO, 1, 0.91, 0.2), r("dilaserve 4x2", 0, 0.95, 0.1),
-                       r("dilaserve 4x2", 1, 0.93, 0.1), r("edf-static 8x1", 0, 0.50, 0.1), r("edf-static 8x1", 1, 0.5, 0.1)])
+                       r("dilaserve 4x2", 1, 0.93, 0.1), r("edf-static 8x1", 0, 0.50, 0.1),
+                       r("edf-static 8x1", 1, 0.5, 0.1)])
     auto = next(x for x in rows if x["system"] == AUTO)
     assert auto["slo_attainment"] == pytest.approx(0.93) and auto["min_slo_attainment"] == 0.91 and auto["seeds"] == 2
     (v,) = steady_verdicts(rows, ["dilaserve 4x2", "edf-static 8x1"])

@@ -24,7 +24,8 @@ def llada():
 def _specs(llada, spec, duration=None):
     rng = np.random.default_rng([0, 1])
     t = arrival_times(spec, duration=duration, rate_scale=1.0, rng=rng)
-    shapes = build_shapes("llada_8b", len(t), rng, trace=load_trace(TRACE), from_trace_rows=False, max_len=llada.max_len)
+    shapes = build_shapes("llada_8b", len(t), rng, trace=load_trace(TRACE), from_trace_rows=False,
+                          max_len=llada.max_len)
     specs = [RequestSpec(float(a), s.task, (0,) * s.prompt_len, s.answer_length, s.block_length, s.finish_tokens)
              for a, s in zip(t, shapes)]
     return assign_slos(specs, parse_slo("idle:2,6"), quality=llada.quality, step_time=llada.step_time, tau=0.9, tp=1,
