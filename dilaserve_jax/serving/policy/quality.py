@@ -113,6 +113,7 @@ class QualityBudget:
     tau_steps: int = 0
     _weights: dict[str, tuple[float, ...]] = field(default_factory=dict)
     _losses: dict[tuple[float, float], tuple[float, ...]] = field(default_factory=dict)
+    _own_losses: dict[str, dict[tuple[float, float], float]] = field(default_factory=dict)  # id -> (τ, ref) -> loss
 
     # --- the model, per request ---
     def reference(self, req) -> float:
@@ -147,10 +148,14 @@ class QualityBudget:
         if self.cfg.mode == "floor" or not m.profiles:
             return m.loss(tau, ref)
         key = (tau, ref)
-        table = self._losses.get(key)
-        if table is None:
-            table = self._losses[key] = m.profile_losses(tau, ref)
-        return sum(w * x for w, x in zip(self.weights(req), table))
+        mine = self._own_losses.setdefault(req.id, {})  # dropped with its weights
+        out = mine.get(key)
+        if out is None:
+            table = self._losses.get(key)
+            if table is None:
+                table = self._losses[key] = m.profile_losses(tau, ref)
+            out = mine[key] = sum(w * x for w, x in zip(self.weights(req), table))
+        return out
 
     def cost(self, req, tau: float) -> float:
         """Predicted loss (points) added if the request's next steps run at τ and change commits."""
@@ -186,6 +191,7 @@ class QualityBudget:
         if not req.evidence and counts and sum(counts) > 0:
             req.evidence = tuple(int(c) for c in counts)
             self._weights.pop(req.id, None)
+            self._own_losses.pop(req.id, None)
 
     def charge(self, req, tau: float, counts: Sequence[int] = (), max_confidence: float | None = None) -> float:
         """Charge one step run at τ, given its confidence histogram (before commit) and highest
@@ -207,6 +213,7 @@ class QualityBudget:
         """A request left: if it was served (finished ok), its loss stays in the mean."""
         pooled = self.pooled_active.pop(req_id, None)
         self._weights.pop(req_id, None)
+        self._own_losses.pop(req_id, None)
         if served and predicted_loss is not None:
             self.served += 1
             self.loss_served += predicted_loss

@@ -112,7 +112,7 @@ class Scheduler:
         self._aborts: list[str] = []
         self._releases: list[int] = []
         self._finished: list[Request] = []
-        self._memo: dict[tuple, float] = {}  # step times until the latency model or its correction changes
+        self._memo: dict[tuple, float] = {}  # the latency model's step times (before the online correction)
         self._priced: OrderedDict[str, float] = OrderedDict()  # waiting request -> its last published price
         self._views: dict[tuple[str, int], RequestView] = {}  # waiting requests' published views
 
@@ -120,9 +120,6 @@ class Scheduler:
     def set_latency_model(self, latency: LatencyModel) -> None:
         """Replace the step-latency model (e.g. after measuring the instance at start-up)."""
         self.latency = latency
-        self._step_times_changed()
-
-    def _step_times_changed(self) -> None:
         self._memo.clear()
         self.controller.invalidate()
 
@@ -132,10 +129,9 @@ class Scheduler:
         key = (kind, batch, req.canvas_length, req.block_length)
         t = self._memo.get(key)
         if t is None:
-            t = self.latency.round_seconds(kind, batch, req.canvas_length, req.block_length, self.cfg.tp) \
-                * self.lat_scale[kind]
-            self._memo[key] = t
-        return t
+            t = self._memo[key] = self.latency.round_seconds(kind, batch, req.canvas_length, req.block_length,
+                                                             self.cfg.tp)
+        return t * self.lat_scale[kind]
 
     def _feasible(self, req: Request, now: float, batch: int) -> bool:
         return self.controller.feasible_at(req, now, batch, self.step_time)
@@ -351,7 +347,7 @@ class Scheduler:
         if pred > 0:
             ratio = min(10.0, max(0.1, duration / pred))
             self.lat_scale[plan.kind] += a * (ratio - self.lat_scale[plan.kind])
-            self._step_times_changed()
+            self.controller.invalidate()  # its memoised times were priced at the old correction
 
     def _finish(self, req: Request, state: RequestState, now: float) -> None:
         if req.slot is None:

@@ -457,6 +457,7 @@ class ThresholdController:
         slots = [now] * free  # times at which slots free up
         heapq.heapify(slots)
         out = {}
+        dur = self._dur
         for c in cands:
             if c.running:
                 start = now
@@ -465,17 +466,22 @@ class ThresholdController:
             else:
                 start = math.inf
             choice = None
-            last = len(c.taus) - 1
-            for i, t in enumerate(c.taus):
-                if t <= cap or i == last:
-                    d = self._dur(c, i)
-                    if start + d <= c.req.deadline:
-                        choice = (t, d)
-                        break
+            durs, deadline, last = c.durs, c.req.deadline, len(c.taus) - 1
+            # times only fall as τ does (rates are monotone), so if τ_min misses, every τ does
+            d_last = durs[last]
+            if start + (dur(c, last) if d_last is None else d_last) <= deadline:
+                for i, t in enumerate(c.taus):
+                    if t <= cap or i == last:
+                        d = durs[i]
+                        if d is None:
+                            d = dur(c, i)
+                        if start + d <= deadline:
+                            choice = (t, d)
+                            break
             if choice is None:  # hopeless even at τ_min: run fast when it runs, hold no place
                 if may_miss is not None and c.req.id not in may_miss:
                     return None
-                t, d = c.taus[-1], self._dur(c, last)
+                t, d = c.taus[-1], durs[last]
                 out[c.req.id] = Decision(t, True, start + d, start)
                 if c.running:
                     heapq.heappush(slots, now + d)
