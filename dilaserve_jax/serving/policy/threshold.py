@@ -16,9 +16,10 @@ request's τ_min) to the highest cap that makes as many as possible feasible —
 *before* requests miss. When more than `plan_depth` x slots requests queue, those past saving
 (they would miss even started now, alone, at τ_min; found once each) and the least urgent beyond
 that depth are not planned that round: they wait at risk, and a round's cost stays bounded however
-deep the queue. Whether a queued request is past saving is checked again only when the time its
-last check gave it runs out (approximation: a request whose predicted time grows since is found
-lost that much later; until then it is one more candidate the plan itself marks at risk).
+deep the queue. Whether a queued request is past saving is checked again only from a margin
+(`LOST_CHECK_MARGIN`: from three times its time earlier) before the slack its last check found runs out
+(approximation: a request whose predicted time grows by more than that meanwhile is found lost
+later; until then it is one more candidate the plan itself marks at risk).
 Prices are memoised until an estimate changes (a step's observation, the latency correction), so
 the plan, admission, batching and the published load price each (request, τ, batch) once, and the
 plan prices a τ only when a pass reaches it. A request infeasible even at τ_min is marked at risk: it does not hold a
@@ -49,6 +50,8 @@ DEFAULT_PRIOR: Mapping[float, float] = {1.0: 1.0, 0.95: 1.6, 0.9: 2.0, 0.8: 2.6,
                                         0.5: 4.7, 0.4: 5.6, 0.3: 6.8}
 
 StepTime = Callable[[StepKind, int, Request], float]  # (kind, batch, request) -> seconds
+# a queued request's lost check is due again this share of its time before its slack runs out
+LOST_CHECK_MARGIN = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,17 +372,19 @@ class ThresholdController:
 
     def _find_lost(self, waiting: Sequence[Request], now: float, step_time: StepTime) -> None:
         """Mark the queued requests that miss even started now, alone, at τ_min (they stay so while
-        they wait). Each is priced again only once the slack its last check found has run out."""
+        they wait). A request is priced again only from `LOST_CHECK_MARGIN` of its time before the
+        slack its last check found runs out, then every round: found when a check every round
+        would find it unless its predicted time grew by more than the margin meanwhile."""
         lost, due = self._lost, self._lost_due
         for w in waiting:
             if w.id in lost or now <= due.get(w.id, -math.inf):
                 continue
-            latest_start = w.deadline - self.remaining_time(w, w.tau_min, 1, step_time)
-            if now > latest_start:
+            alone = self.remaining_time(w, w.tau_min, 1, step_time)
+            if now + alone > w.deadline:
                 lost.add(w.id)
                 due.pop(w.id, None)
-            else:
-                due[w.id] = latest_start
+            else:  # checked every round from a margin before the time this check gives it
+                due[w.id] = w.deadline - alone * (1 + LOST_CHECK_MARGIN)
 
     def _unplanned(self, beyond: Sequence[Request], now: float, best: dict[str, Decision]) -> dict[str, Decision]:
         """Not planned this round: lowest priority, and fast if it runs anyway. Its decision is made
