@@ -266,32 +266,43 @@ class Scheduler:
     def _admit(self, now: float) -> tuple[Admission, ...]:
         if not self.waiting or not self.free_slots:
             return ()
+        key = self._order_key(now)
+        first, risky = self.waiting, []
+        if self.cfg.adaptive:  # the at-risk ones (not starved) come last in the order anyway
+            first = [w for w in self.waiting if not w.at_risk or self._starved(w)]
+            risky = [w for w in self.waiting if w.at_risk and not self._starved(w)]
         admits = []
-        room_for_risk: bool | None = None  # does the group have room for one more at-risk request (same for each)
-        for w in sorted(self.waiting, key=self._order_key(now)):
+        for w in sorted(first, key=key):
             if not self.free_slots:
                 break
             group = list(self.running.values())
-            if self.cfg.adaptive and group and not self._starved(w):
-                if w.at_risk:
-                    if room_for_risk is None:
-                        room_for_risk = self._fits(group, w, now, admitting=True)
-                    if not room_for_risk:
-                        continue
-                elif not self._fits(group, w, now, admitting=True):
-                    continue
-            slot = self.free_slots.pop(0)
-            self.waiting.remove(w)
-            self._priced.pop(w.id, None)
-            w.transition(RequestState.RUNNING, now)
-            w.slot, w.needs_refresh, w.steps_skipped = slot, True, 0
-            self.running[slot] = w
-            room_for_risk = None
-            admits.append(Admission(slot, w.id, w.prompt_tokens, w.answer_length, w.block_length,
-                                    w.temperature, w.seed, w.committed_answer, len(w.steps)))
+            if self.cfg.adaptive and group and not self._starved(w) and not self._fits(group, w, now, admitting=True):
+                continue
+            admits.append(self._start(w, now))
+        # an at-risk request joins only where the group has room for one more at-risk request, the
+        # same question for each of them: the queue is sorted only when one can be admitted
+        order = None
+        while risky and self.free_slots:
+            group = list(self.running.values())
+            if group and not self._fits(group, risky[0], now, admitting=True):
+                break
+            if order is None:
+                order = sorted(risky, key=key)[::-1]  # popped from the end
+            admits.append(self._start(order.pop(), now))
+            risky = order
         for w in self.waiting:  # passed over while a slot was free: counts towards starvation
             w.steps_skipped += self._skip_weight(w)
         return tuple(admits)
+
+    def _start(self, w: Request, now: float) -> Admission:
+        slot = self.free_slots.pop(0)
+        self.waiting.remove(w)
+        self._priced.pop(w.id, None)
+        w.transition(RequestState.RUNNING, now)
+        w.slot, w.needs_refresh, w.steps_skipped = slot, True, 0
+        self.running[slot] = w
+        return Admission(slot, w.id, w.prompt_tokens, w.answer_length, w.block_length,
+                         w.temperature, w.seed, w.committed_answer, len(w.steps))
 
     def _pick_batch(self, now: float) -> tuple[StepKind | None, list[Request], int]:
         """The step's kind, its requests, and the size limit it was picked under."""
