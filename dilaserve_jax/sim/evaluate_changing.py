@@ -79,13 +79,15 @@ def _point(job: dict) -> dict:
     t0 = time.process_time()
     row, res = run(*configs(parser, parser.parse_args(argv)))
     row.update({"system": f"{job['policy']} {job['layout']}", "workload": job["workload"], "slo_tp": job["slo_tp"],
+                "seed": job["seed"],
                 "cpu_s": time.process_time() - t0, "duration": job["duration"], "time_scale": job["time_scale"],
                 "layouts": res.layouts[:40], "switches": len(res.layouts) - 1})
     return row
 
 
 def _key(r: Mapping) -> tuple:
-    return r["workload"], int(r["slo_tp"]), r["devices"], r["system"], round(float(r["time_scale"]), 6), r["seed"]
+    return (r["workload"], int(r["slo_tp"]), r["devices"], r["system"], round(float(r["time_scale"]), 6),
+            int(r.get("seed", 0)))
 
 
 # --- verdicts (pure: on rows with system, slo_attainment, mean_latency) ---

@@ -78,3 +78,10 @@ def test_steady_load_verdict_over_seeds_and_the_evaluate_parsers():
     for mod in (evaluate, evaluate_changing):  # every flag says what it does
         parser = mod.build_parser()
         assert parser.description and not [a.dest for a in parser._actions if not a.help]
+
+
+def test_resume_keys_read_rows_with_and_without_a_seed():
+    from dilaserve_jax.sim.evaluate_changing import _key
+
+    row = {"workload": "step", "slo_tp": 8, "devices": 8, "system": AUTO, "time_scale": 0.2}
+    assert _key(row) == _key({**row, "seed": 0}) != _key({**row, "seed": 1})
