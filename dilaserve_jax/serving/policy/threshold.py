@@ -17,13 +17,13 @@ request's τ_min) to the highest cap that makes as many as possible feasible —
 (they would miss even started now, alone, at τ_min; found once each) and the least urgent beyond
 that depth are not planned that round: they wait at risk, and a round's cost stays bounded however
 deep the queue. Whether a queued request is past saving is checked again only from a margin
-(`LOST_CHECK_MARGIN`: from three times its time earlier) before the slack its last check found runs out
-(approximation: a request whose predicted time grows by more than that meanwhile is found lost
-later; until then it is one more candidate the plan itself marks at risk).
+(`LOST_CHECK_MARGIN`: from three times its time earlier) before the slack its last check found
+runs out (approximation: a request whose predicted time grows by more than that meanwhile is
+found lost later; until then it is one more candidate the plan itself marks at risk).
 Prices are memoised until an estimate changes (a step's observation, the latency correction), so
 the plan, admission, batching and the published load price each (request, τ, batch) once, and the
-plan prices a τ only when a pass reaches it. A request infeasible even at τ_min is marked at risk: it does not hold a
-place in the slot model and the scheduler runs it only on spare capacity.
+plan prices a τ only when a pass reaches it. A request infeasible even at τ_min is marked at
+risk: it does not hold a place in the slot model and the scheduler runs it only on spare capacity.
 
 Quality budget (`ThresholdConfig.quality`, see `quality.py`): the plan above gives each request the
 τ its deadline (and the queue) needs; where that τ is predicted to cost accuracy, the budget grants
@@ -158,7 +158,6 @@ class _Cand:
     running: bool
     per_refresh: float  # seconds per own refresh step (its batch plus the wait for the others' reuse)
     per_reuse: float  # seconds per own reuse step
-    ratio: float  # its tokens per step against the average
 
 
 @dataclass(slots=True)
@@ -298,7 +297,8 @@ class ThresholdController:
         per_refresh, per_reuse = self._step_costs(req, batch, step_time, others_refreshing)
         return (n_ref * per_refresh + n_reu * per_reuse) * self.cfg.safety
 
-    def _step_costs(self, req: Request, batch: int, step_time: StepTime, others_refreshing: float) -> tuple[float, float]:
+    def _step_costs(self, req: Request, batch: int, step_time: StepTime,
+                    others_refreshing: float) -> tuple[float, float]:
         """Seconds per own refresh and per own reuse step, the wait for the others' batches included."""
         t_ref = step_time(StepKind.REFRESH, batch, req)
         t_reu = step_time(StepKind.REUSE, batch, req)
@@ -420,8 +420,7 @@ class ThresholdController:
             others = (total - own) * per_slot  # only `batch` of them run concurrently
             taus = allowed(req)
             per_refresh, per_reuse = self._step_costs(req, batch, step_time, others)
-            cands.append(_Cand(req, taus, [None] * len(taus), is_running, per_refresh, per_reuse,
-                               self.ratios.get(req.id, 1.0)))
+            cands.append(_Cand(req, taus, [None] * len(taus), is_running, per_refresh, per_reuse))
         cands.sort(key=lambda c: (not c.running, c.req.id in excluded, c.req.deadline, c.req.arrival))
         return cands
 
