@@ -145,6 +145,12 @@ def placements(layout: Sequence[int]) -> list[tuple[int, int]]:
     return [(tp, group[0]) for tp, group in zip(widest_first, ids)]
 
 
+def every_placement(degrees, num_devices: int) -> frozenset[tuple[int, int]]:
+    """(TP degree, first device) of every aligned group of each degree over devices 0..n-1: where
+    `place` can put an instance of that degree."""
+    return frozenset((tp, first) for tp in set(degrees) for first in range(0, num_devices - tp + 1, tp))
+
+
 def instance_name(device_ids: Sequence[int]) -> str:
     """What an instance is: "tp4@0-3" is TP 4 on devices 0-3, "tp1@6" one device. An instance
     present in two layouts has the same name in both."""

@@ -28,8 +28,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from dilaserve_jax.core.layouts import (instance_name, layout_text, moved_fraction, parse_layout, placements,
-                                        received_per_device)
+from dilaserve_jax.core.layouts import (every_placement, instance_name, layout_text, moved_fraction, parse_layout,
+                                        placements, received_per_device)
 from dilaserve_jax.serving.cluster.admin import ClusterBusy
 from dilaserve_jax.serving.cluster.autoscale import Autoscaler
 from dilaserve_jax.serving.cluster.builder import InstanceInfo
@@ -103,41 +103,55 @@ class SwitchReport:
 
 
 class SimBuilder:
-    """The placements compiled so far (the real builder's executable cache, for the controller)."""
+    """The placements compiled so far (the real builder's executable cache, for the controller).
+    `by_degree` models a GPU with the persistent compile cache, as `serve` runs by default: JAX
+    leaves the device assignment out of a GPU executable's cache key, so once a TP degree is
+    compiled on any devices, every placement of it loads from the cache instead of compiling."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_devices: int = 0, by_degree: bool = False) -> None:
+        self.num_devices, self.by_degree = num_devices, by_degree
         self.compiled: set[tuple[int, int]] = set()
 
     def compiled_placements(self) -> frozenset[tuple[int, int]]:
-        return frozenset(self.compiled)
+        if not self.by_degree:
+            return frozenset(self.compiled)
+        return every_placement({tp for tp, _ in self.compiled}, self.num_devices)
 
 
 @dataclass(frozen=True, slots=True)
 class SwitchCost:
     param_bytes: float  # one full copy of the weights
     bandwidth_gbps: float = 100.0  # GB/s into each device
-    compile_s: float = 10.0  # per placement never compiled
+    compile_s: float = 10.0  # per new placement never compiled
+    load_s: float = 0.0  # per new instance: build and warm it (its executables compiled or loaded)
 
     def seconds(self, old: Sequence[int], new: Sequence[int], compiled: frozenset[tuple[int, int]]) -> tuple[float, float, int]:
         """(seconds until the new layout serves, bytes moved, placements compiled)."""
         moved = moved_fraction(old, new) * self.param_bytes
         per_device = max(received_per_device(old, new), default=0.0) * self.param_bytes
-        unseen = [p for p in placements(new) if p not in compiled and p not in placements(old)]
-        return per_device / (self.bandwidth_gbps * 1e9) + self.compile_s * len(unseen), moved, len(unseen)
+        kept = placements(old)
+        added = [p for p in placements(new) if p not in kept]
+        unseen = sum(p not in compiled for p in added)
+        build = self.load_s * len(added) + self.compile_s * unseen
+        return per_device / (self.bandwidth_gbps * 1e9) + build, moved, unseen
 
 
 class SimCluster:
     """Instances of one layout at a time, a router, the request table, and the actuator."""
 
     def __init__(self, num_devices: int, layout: str, make_instance: Callable[[InstanceInfo, float], SimInstance],
-                 cost: SwitchCost | None = None, *, policy: str = "", model: str = "") -> None:
-        """`policy`, `model`: labels for `state()`."""
+                 cost: SwitchCost | None = None, *, policy: str = "", model: str = "",
+                 compiled_degrees: Sequence[int] = (), compile_by_degree: bool = False) -> None:
+        """`policy`, `model`: labels for `state()`; `compiled_degrees`: TP degrees compiled before
+        serving (the server measures every degree the controller may choose before `ready:`);
+        `compile_by_degree`: see `SimBuilder`."""
         self.num_devices, self.policy, self.model = num_devices, policy, model
         self.make_instance = make_instance
         self.cost = cost or SwitchCost(param_bytes=0.0)
         self.router = Router()
-        self.builder = SimBuilder()
+        self.builder = SimBuilder(num_devices, compile_by_degree)
         self.infos = instance_infos(layout, num_devices)
+        self.builder.compiled.update((tp, 0) for tp in compiled_degrees)
         self.engines: list[SimInstance] = [make_instance(i, 0.0) for i in self.infos]
         self.layout = layout_text([i.tp_degree for i in self.infos])
         self.builder.compiled.update(placements([i.tp_degree for i in self.infos]))

@@ -40,6 +40,9 @@ from dilaserve_jax.sim.quality import QualityModel, RequestPlan, make_plan
 from dilaserve_jax.sim.workload import RequestSpec
 
 
+COMPILE_CACHES = ("by-degree", "per-placement")
+
+
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     devices: int = opt(8, "devices in the cluster")
@@ -62,6 +65,11 @@ class SimConfig:
                                                "τ_max in points, or none (unbounded)",
                                           parse=or_none(float, "none", "unbounded", "inf"))
     budget_mode: str = opt("adaptive", "budget mode, as serve's", choices=BUDGET_MODES)
+    compile_cache: str = opt("by-degree", "auto: what a switch compiles. by-degree: a GPU with serve's persistent "
+                                          "compile cache (JAX keys a GPU executable without its devices, so a TP "
+                                          "degree compiled once loads for every placement; serve compiles every "
+                                          "candidate degree before ready). per-placement: each placement never "
+                                          "built compiles (--compile-s each)", choices=COMPILE_CACHES)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -74,6 +82,8 @@ class SimConfig:
             raise ValueError(f"unknown ablations {sorted(bad)}; choose from {', '.join(ABLATIONS)}")
         if self.policy != "dilaserve" and (self.ablate or self.layout == "auto"):
             raise ValueError(f"{self.policy} runs on a fixed --layout (e.g. 2x4) and takes no --ablate")
+        if self.compile_cache not in COMPILE_CACHES:
+            raise ValueError(f"compile cache must be one of {COMPILE_CACHES}, got {self.compile_cache!r}")
         if self.budget_mode not in BUDGET_MODES:
             raise ValueError(f"budget mode must be one of {BUDGET_MODES}, got {self.budget_mode!r}")
         if self.max_accuracy_drop is not None and not self.max_accuracy_drop >= 0:
@@ -227,9 +237,13 @@ class Simulation:
         cfg = self.cfg
         t_wall = time.perf_counter()
         start = self.initial_layout()
-        cost = SwitchCost(self.param_bytes, cfg.controller.bandwidth_gbps, cfg.controller.compile_s)
+        cost = SwitchCost(self.param_bytes, cfg.controller.bandwidth_gbps, cfg.controller.compile_s,
+                          cfg.controller.load_s)
+        by_degree = cfg.compile_cache == "by-degree"
+        degrees = sorted({t for lay in self._candidates() for t in lay}) if by_degree else ()
         cluster = SimCluster(cfg.devices, start, self.make_instance, cost, policy=cfg.policy,
-                             model=self.quality.name if self.quality is not None else "")
+                             model=self.quality.name if self.quality is not None else "",
+                             compiled_degrees=degrees, compile_by_degree=by_degree)
         self.cluster = cluster
         scaler = None
         if cfg.policy == "dilaserve":

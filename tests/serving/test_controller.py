@@ -4,7 +4,8 @@ import time
 
 import pytest
 
-from dilaserve_jax.core.layouts import binary_partitions, layout_text, moved_fraction, parse_layout, placements
+from dilaserve_jax.core.layouts import (binary_partitions, every_placement, layout_text, moved_fraction, parse_layout,
+                                        placements)
 from dilaserve_jax.serving.policy.capacity import RequestShape
 from dilaserve_jax.serving.policy.controller import AtRisk, ClusterController, ControllerConfig
 from dilaserve_jax.serving.cluster.fake_runner import fake_tp_profile
@@ -119,6 +120,19 @@ def test_candidates_costs_and_layout_text():
     assert moved_fraction((4, 4), (8,)) == pytest.approx(0.75)
     with pytest.raises(ValueError):
         parse_layout("3x3")
+
+
+def test_a_switch_pays_a_build_per_new_instance_and_a_compile_per_placement_not_in_hand(tp_latency):
+    ctl = make(tp_latency, compile_s=10.0, load_s=1.0)
+    shape = [RequestShape(prompt_len=32, answer_len=64, block_len=16, slo_s=0.4)]
+    move = moved_fraction((4, 4), (1,) * 8) * 10**7 / 100e9
+    assert ctl.switch_seconds((4, 4), (1,) * 8, shape)[0] == pytest.approx(move + 8 * (1.0 + 10.0))
+    in_hand = every_placement({1}, 8)  # e.g. a GPU compile cache that already holds TP 1
+    assert ctl.switch_seconds((4, 4), (1,) * 8, shape, in_hand)[0] == pytest.approx(move + 8 * 1.0)
+    # an instance both layouts run is kept: neither built nor compiled
+    assert ctl.switch_seconds((4, 2, 1, 1), (4, 1, 1, 1, 1), shape, frozenset())[0] == pytest.approx(
+        moved_fraction((4, 2, 1, 1), (4, 1, 1, 1, 1)) * 10**7 / 4 / 100e9 + 2 * 11.0)  # bytes / widest TP
+    assert every_placement({2, 8}, 8) == {(2, 0), (2, 2), (2, 4), (2, 6), (8, 0)}
 
 
 def test_layout_restriction_and_missing_fits_are_errors(tp_latency):

@@ -11,7 +11,7 @@ from dilaserve_jax.serving.policy.hosts_controller import HostsController, HostS
 from dilaserve_jax.serving.policy.latency import LatencyModel
 
 SHAPE = RequestShape(prompt_len=32, answer_len=64, block_len=16, slo_s=0.4)
-CFG = dict(interval_s=1.0, window_s=10.0, min_dwell_s=0.0, confirmations=1, min_arrivals=1, compile_s=10.0)
+CFG = dict(interval_s=1.0, window_s=10.0, min_dwell_s=0.0, confirmations=1, min_arrivals=1, compile_s=10.0, load_s=0.0)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from dilaserve_jax.core.layouts import moved_fraction, received_per_device
 from dilaserve_jax.serving.policy.controller import ControllerConfig
 from dilaserve_jax.serving.cluster.fake_runner import FakeRunner, fake_tp_profile
 from dilaserve_jax.serving.policy.latency import LatencyModel
-from dilaserve_jax.sim.cluster import ARRIVAL, CONTROL, SwitchCost, instance_infos
+from dilaserve_jax.sim.cluster import ARRIVAL, CONTROL, SimBuilder, SwitchCost, instance_infos
 from dilaserve_jax.sim.report import summarize
 from dilaserve_jax.sim.setup import setup_model
 from dilaserve_jax.sim.simulator import SimConfig, Simulation
@@ -51,6 +51,21 @@ def test_switch_cost_is_bytes_into_the_busiest_device_plus_compiles():
         instance_infos("2x4", 16)
 
 
+def test_a_gpu_compile_cache_compiles_each_degree_once_and_builds_each_new_instance():
+    cost = SwitchCost(param_bytes=16e9, bandwidth_gbps=100.0, compile_s=10.0, load_s=1.0)
+    move = 7 / 8 * 16e9 / 100e9
+    per_placement = SimBuilder(8)
+    per_placement.compiled.add((1, 0))
+    seconds, _, compiled = cost.seconds((8,), (1,) * 8, per_placement.compiled_placements())
+    assert compiled == 7 and seconds == pytest.approx(move + 8 * 1.0 + 7 * 10.0)
+    by_degree = SimBuilder(8, by_degree=True)
+    by_degree.compiled.add((1, 0))
+    seconds, _, compiled = cost.seconds((8,), (1,) * 8, by_degree.compiled_placements())
+    assert compiled == 0 and seconds == pytest.approx(move + 8 * 1.0)
+    _, _, compiled = cost.seconds((8,), (2,) * 4, by_degree.compiled_placements())
+    assert compiled == 4  # a degree never compiled compiles at each new placement
+
+
 def _burst(quiet_s, rate, burst_s):
     """Light load, then far more than one wide instance serves."""
     return _llada_specs(3, quiet_s) + [RequestSpec(quiet_s + s.arrival, *[getattr(s, f) for f in (
@@ -58,7 +73,7 @@ def _burst(quiet_s, rate, burst_s):
         for s in _llada_specs(rate, burst_s, seed=1)]
 
 
-FAST_CONTROL = ControllerConfig(interval_s=0.5, window_s=4.0, min_dwell_s=2.0, compile_s=0.5)
+FAST_CONTROL = ControllerConfig(interval_s=0.5, window_s=4.0, min_dwell_s=2.0, compile_s=0.5, load_s=0.25)
 
 
 @pytest.mark.slow
@@ -72,7 +87,9 @@ def test_reconfiguration_under_rising_load_moves_requests_and_loses_none(llada):
     assert res.reconfigurations and res.layouts[0][1] == "1x8" and res.layouts[1][1] != "1x8"
     first = res.reconfigurations[0]
     # charged: the switch completes its modelled cost (bytes into the busiest device, compiles) after the decision
-    assert first.finished - first.started == pytest.approx(first.switch_s) and first.switch_s > 0.5
+    # by default every candidate TP degree was compiled before serving: each new instance is only built
+    assert first.compiled == 0 and first.switch_s > 0.25 * len(first.added)
+    assert first.finished - first.started == pytest.approx(first.switch_s)
     moved = [r for r in res.records if r.moves]
     assert moved and sum(r.requests_moved for r in res.reconfigurations) == res.migrations["reconfigure"] == \
         sum(r.moves for r in moved)

@@ -35,6 +35,12 @@ from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
 log = logging.getLogger(__name__)
 
 
+def executables_shared_by_degree() -> bool:
+    """A GPU with the persistent compile cache on: an executable compiled for some devices loads
+    for any others of the same count."""
+    return jax.default_backend() == "gpu" and bool(jax.config.jax_compilation_cache_dir)
+
+
 def instance_name(inst: Instance) -> str:
     return layouts.instance_name(inst.device_ids)
 
@@ -166,6 +172,11 @@ class JaxInstanceBuilder:
                     self.params.pop(n, None)
 
     def compiled_placements(self) -> frozenset[tuple[int, int]]:
+        """Placements whose executables are in hand. On a GPU with the persistent compile cache,
+        a degree compiled once is in hand for every placement: JAX keys GPU executables without
+        their device assignment (jax/_src/cache_key.py), so another placement loads from disk."""
+        if executables_shared_by_degree():
+            return layouts.every_placement({tp for tp, _ in self._warmed}, len(self.layout.devices))
         return frozenset(self._warmed)
 
     def compile_count(self) -> int:

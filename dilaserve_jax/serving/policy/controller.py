@@ -14,7 +14,9 @@ Every `interval_s` the cluster (or the simulator) calls `decide(now, current, sn
   first, then quality, then speed (at low load every layout meets every deadline at τ_max and the
   widest instances finish soonest; at high load narrow instances keep τ high).
 - **Switching cost.** Bytes that must move (`core.layouts.moved_fraction` of the model per device) at
-  `bandwidth_gbps`, compilation of placements never seen (`compile_s`), and the pause of the
+  `bandwidth_gbps`, building each new instance (`load_s`) plus compiling the placements never
+  compiled (`compile_s`; on a GPU with the persistent compile cache a TP degree compiled once is
+  compiled for every placement, see `JaxInstanceBuilder.compiled_placements`), and the pause of the
   requests in flight (a step boundary plus a refresh). Requests whose slack is below the pause are
   charged as misses; the gain counts only after the switch completes, over `horizon_s`.
 - **Decision.** Switch when the predicted gain beats the cost by `hysteresis`, the same layout won
@@ -61,6 +63,8 @@ class ControllerConfig:
     bandwidth_gbps: float = opt(100.0, "device-to-device bandwidth (GB/s into each device) the controller assumes "
                                        "for resharding", name="--interconnect-gbps")
     compile_s: float = opt(10.0, "seconds to compile a placement never compiled (the old layout serves meanwhile)")
+    load_s: float = opt(1.0, "seconds to build and warm one new instance whose executables are compiled already "
+                             "(from memory or the persistent compile cache)")
     tau_weight: float = 0.1
     latency_weight: float = 0.2
     target_utilisation: float = 0.85
@@ -70,8 +74,8 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         if min(self.interval_s, self.window_s, self.horizon_s, self.bandwidth_gbps) <= 0:
             raise ValueError("interval, window, horizon and bandwidth must be positive")
-        if self.min_dwell_s < 0 or self.hysteresis < 0 or self.compile_s < 0 or self.confirmations < 1:
-            raise ValueError("dwell, hysteresis and compile time must be >= 0, confirmations >= 1")
+        if min(self.min_dwell_s, self.hysteresis, self.compile_s, self.load_s) < 0 or self.confirmations < 1:
+            raise ValueError("dwell, hysteresis, compile and load times must be >= 0, confirmations >= 1")
         if self.settle_tolerance is not None and not self.settle_tolerance >= 0:
             raise ValueError("settle tolerance must be >= 0 (or None: off)")
         if not 0 < self.target_utilisation <= 1 or self.sample_size < 1 or self.max_migrations < 0:
@@ -270,8 +274,7 @@ class ClusterController:
                        compiled: frozenset[tuple[int, int]] = frozenset()) -> tuple[float, float]:
         """(seconds until the new layout serves, pause of the requests in flight)."""
         move_bytes = moved_fraction(old, new) * self.param_bytes / max(1, max(new))
-        unseen = [p for p in placements(new) if p not in compiled and p not in placements(old)]
-        switch_s = move_bytes / (self.cfg.bandwidth_gbps * 1e9) + self.cfg.compile_s * len(unseen)
+        switch_s = move_bytes / (self.cfg.bandwidth_gbps * 1e9) + build_seconds(old, new, compiled, self.cfg)
         refresh = max(self._model(max(new)).predict(StepKind.REFRESH, 1, r.canvas, r.block_len, max(new))
                       for r in sample) if sample else 0.0
         return switch_s, 2 * refresh
@@ -323,3 +326,12 @@ class ClusterController:
                                  f"{self.tp_degrees}")
             return list(dict.fromkeys(out))
         return binary_partitions(self.num_devices, self.tp_degrees)
+
+
+def build_seconds(old: Sequence[int], new: Sequence[int], compiled: frozenset[tuple[int, int]],
+                  cfg: ControllerConfig) -> float:
+    """Seconds to build the instances of layout `new` that `old` lacks, one after another: each
+    is built and warmed (`load_s`), and compiled first if its placement is not in `compiled`."""
+    kept = placements(old)
+    added = [p for p in placements(new) if p not in kept]
+    return cfg.load_s * len(added) + cfg.compile_s * sum(p not in compiled for p in added)

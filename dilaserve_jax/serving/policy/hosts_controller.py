@@ -15,8 +15,9 @@ and the migrations are the one-host controller's own:
   fits keeps its instances and requests untouched. The decision reads per host ("2x1|1x2"), which
   is what `Cluster.reconfigure` takes across hosts.
 - **Switching cost.** The slowest of the hosts that change (their workers build at the same
-  time): the bytes each reshards on its own devices at `bandwidth_gbps`, and `compile_s` for each
-  of its placements that its old layout did not run. Hosts left as they are cost nothing.
+  time): the bytes each reshards on its own devices at `bandwidth_gbps`, and `load_s` plus
+  `compile_s` for each of its placements that its old layout did not run. Hosts left as they are
+  cost nothing.
 """
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ from typing import Callable, Mapping, Sequence
 
 from dilaserve_jax.core.host_layouts import (MAX_CANDIDATES, HostsLayout, assign_to_hosts, changed_hosts,
                                              flat_candidates, flatten, host_partitions, hosts_layout_text)
-from dilaserve_jax.core.layouts import moved_fraction, parse_layout, placements
+from dilaserve_jax.core.layouts import moved_fraction, parse_layout
 from dilaserve_jax.serving.policy.capacity import RequestShape, StepShapes
-from dilaserve_jax.serving.policy.controller import ClusterController, ControllerConfig, Decision
+from dilaserve_jax.serving.policy.controller import ClusterController, ControllerConfig, Decision, build_seconds
 from dilaserve_jax.serving.policy.latency import LatencyModel
 
 
@@ -105,8 +106,9 @@ class HostsController(ClusterController):
         for i in changed_hosts(self._current, target):
             was, will = self._current[i], target[i]
             move_bytes = moved_fraction(was, will) * self.param_bytes / max(will)
-            unseen = [p for p in placements(will) if p not in placements(was)]
-            seconds = max(seconds, move_bytes / (self.cfg.bandwidth_gbps * 1e9) + self.cfg.compile_s * len(unseen))
+            # each host compiles its own new placements (no compiled set is shared across hosts)
+            seconds = max(seconds, move_bytes / (self.cfg.bandwidth_gbps * 1e9)
+                          + build_seconds(was, will, frozenset(), self.cfg))
         return seconds, pause_s
 
     # --- internals ---
