@@ -76,6 +76,20 @@ def test_a_load_oscillating_around_the_switch_point_does_not_flap(tp_latency):
     assert switches <= 1, [str(d) for d in ctl.history if d.switch]
 
 
+def test_a_jump_to_a_new_level_is_followed_before_the_window_catches_up(tp_latency):
+    def first_switch(**cfg):
+        ctl = make(tp_latency, min_dwell_s=0.0, **cfg)
+        drive(ctl, (8,), [2.0, 400.0], seconds_each=20.0)
+        d = next(d for d in ctl.history if d.switch)
+        return d.time, d.rate
+
+    (early, rate), (late, _) = first_switch(), first_switch(level_shift_gain=None)
+    # half a window (5 s) at the new level, then the confirmations; without the rule the window's
+    # rate must come within the settle tolerance of it first
+    assert early <= 20.0 + 5.0 + 2 * 1.0 + 1e-9 < late
+    assert rate == pytest.approx(400.0, rel=0.05)  # priced at the new level, not the window's mix
+
+
 def test_no_switch_before_one_full_window_of_arrivals(tp_latency):
     ctl = make(tp_latency, window_s=10.0, min_dwell_s=0.0)
     _, switches, _ = drive(ctl, (8,), [400.0], seconds_each=9.0)  # heavy from the start, under one window

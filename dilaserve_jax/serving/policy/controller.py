@@ -27,7 +27,9 @@ Every `interval_s` the cluster (or the simulator) calls `decide(now, current, sn
   over the window's last half differs from the window's rate by more than `settle_tolerance` (25%)
   and by more than 3 Poisson standard deviations, the window rate lags a ramp and a switch would
   land on a layout for a load already gone (then dwell), so the decision waits for the window to
-  catch up. Every decision carries its reason and predictions, kept in `history`.
+  catch up. Unless the load jumped to a new level and held it: when the last half-window's own
+  last half agrees with it, the decision prices that half's rate at once, and switches only for a
+  gain beyond the cost by `level_shift_gain` (0.1), so that small swings still wait for the window. Every decision carries its reason and predictions, kept in `history`.
 - **Migration.** `plan_migrations`: a request at risk on one instance (it cannot meet its deadline
   there even at its τ floor) moves at the next step boundary to an instance with a free slot and
   an empty queue whose estimate says it will meet it there.
@@ -59,6 +61,9 @@ class ControllerConfig:
     confirmations: int = 2  # rounds the same layout must win before a switch
     min_arrivals: int = 8  # arrivals in the window before any switch
     settle_tolerance: float | None = 0.25  # no switch while the last half-window's rate is off by more (None: off)
+    # a jump to a new level that has held for the last half-window is acted on at that half's rate,
+    # before the window catches up, when the predicted gain beats the cost by this much (None: wait)
+    level_shift_gain: float | None = 0.1
     sample_size: int = 64  # recent request shapes kept for prediction
     bandwidth_gbps: float = opt(100.0, "device-to-device bandwidth (GB/s into each device) the controller assumes "
                                        "for resharding", name="--interconnect-gbps")
@@ -178,21 +183,33 @@ class ClusterController:
 
     def load_moving(self, now: float) -> str | None:
         """Why the window's rate is not yet the load (it lags a ramp), or None when it has settled:
-        the rate over the window's last half against the whole window's (see the module doc)."""
+        the rate over the window's last half against the whole window's (see the module doc). A
+        load that jumped to a new level and stayed there for the last half-window (whose own last
+        half agrees with it) has settled too: `decide` then prices the last half's rate."""
         tol = self.cfg.settle_tolerance
         if tol is None:
             return None
         w = self.cfg.window_s
+        times = self._times(now)
+        moved = _moved(times, now, w, tol)
+        if moved is None or self._level(times, now) is not None:
+            return None
+        recent, whole = moved
+        return f"{recent:.1f} req/s over the last {w / 2:g} s against {whole:.1f} over {w:g} s (settled within {100 * tol:.0f}%)"
+
+    def _times(self, now: float) -> list[float]:
         with self._lock:
-            times = [t for t, _ in self._arrivals if t >= now - w]
-        whole = len(times) / w
-        recent = sum(1 for t in times if t >= now - w / 2) / (w / 2)
-        diff = abs(recent - whole)
-        noise = 3.0 * (2.0 * max(whole, 1e-9) / w) ** 0.5  # 3 sd of the half-window rate at the window's rate
-        if diff > tol * max(recent, whole) and diff > noise:
-            return (f"{recent:.1f} req/s over the last {w / 2:g} s against {whole:.1f} over {w:g} s "
-                    f"(settled within {100 * tol:.0f}%)")
-        return None
+            return [t for t, _ in self._arrivals if t >= now - self.cfg.window_s]
+
+    def _level(self, times: Sequence[float], now: float) -> float | None:
+        """The last half-window's rate when the window's rate lags it but the last half itself has
+        settled (a jump to a new level, not a ramp still moving); None otherwise."""
+        w, tol = self.cfg.window_s, self.cfg.settle_tolerance
+        if self.cfg.level_shift_gain is None or tol is None or _moved(times, now, w, tol) is None:
+            return None
+        if _moved(times, now, w / 2, tol) is not None:
+            return None
+        return sum(1 for t in times if t >= now - w / 2) / (w / 2)
 
     # --- the layout decision ---
     def predict(self, rate: float, sample: Sequence[RequestShape],
@@ -214,6 +231,8 @@ class ClusterController:
         current = tuple(sorted(current, reverse=True))
         cur_text = layout_text(current)
         rate, sample = self.load(now)
+        level = self._level(self._times(now), now) if sample else None
+        rate = rate if level is None else level
         if len(sample) < 1:
             return self._record(Decision(now, cur_text, cur_text, False, "no arrivals in the window", rate,
                                          seconds=time.perf_counter() - t0))
@@ -244,8 +263,11 @@ class ClusterController:
         best_text = layout_text(best.layout)
         streak = self._streak[1] + 1 if self._streak[0] == best_text else 1
         self._streak = (best_text, streak)
-        if gain <= cost + self.cfg.hysteresis:
-            reason = f"gain {gain:.3f} does not beat cost {cost:.3f} + hysteresis {self.cfg.hysteresis}"
+        margin = self.cfg.hysteresis if level is None else max(self.cfg.hysteresis, self.cfg.level_shift_gain)
+        if gain <= cost + margin:
+            reason = (f"gain {gain:.3f} does not beat cost {cost:.3f} + "
+                      + (f"hysteresis {margin:g}" if level is None else f"the level-shift margin {margin:g} (rate of "
+                                                                      f"the last {self.cfg.window_s / 2:g} s)"))
         elif len(sample) < self.cfg.min_arrivals:
             reason = f"only {len(sample)} arrivals in the window (need {self.cfg.min_arrivals})"
         elif self._first_arrival is None or now - self._first_arrival < self.cfg.window_s:
@@ -261,7 +283,9 @@ class ClusterController:
         else:
             self._streak = ("", 0)
             return self._record(Decision(now, cur_text, best_text, True,
-                                         f"gain {gain:.3f} > cost {cost:.3f} + hysteresis; switch ~{switch_s:.1f} s",
+                                         f"gain {gain:.3f} > cost {cost:.3f} + "
+                                         f"{'hysteresis' if level is None else 'level-shift margin'}; "
+                                         f"switch ~{switch_s:.1f} s",
                                          rate, predicted, cost, time.perf_counter() - t0))
         return self._record(Decision(now, cur_text, best_text, False, reason, rate, predicted, cost,
                                      time.perf_counter() - t0))
@@ -335,3 +359,13 @@ def build_seconds(old: Sequence[int], new: Sequence[int], compiled: frozenset[tu
     kept = placements(old)
     added = [p for p in placements(new) if p not in kept]
     return cfg.load_s * len(added) + cfg.compile_s * sum(p not in compiled for p in added)
+
+
+def _moved(times: Sequence[float], now: float, span: float, tol: float) -> tuple[float, float] | None:
+    """(rate over the last half of `span`, rate over `span`) when they differ by more than `tol` of
+    the larger and by more than 3 Poisson standard deviations of the half's rate; else None."""
+    whole = sum(1 for t in times if t >= now - span) / span
+    recent = sum(1 for t in times if t >= now - span / 2) / (span / 2)
+    diff = abs(recent - whole)
+    noise = 3.0 * (max(whole, 1e-9) / (span / 2)) ** 0.5
+    return (recent, whole) if diff > tol * max(recent, whole) and diff > noise else None
