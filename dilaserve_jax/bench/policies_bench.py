@@ -140,7 +140,7 @@ class Bench:
         if self.rows is None:
             return None
         from dilaserve_jax.serving.policy.accuracy import AccuracyModel
-        from dilaserve_jax.serving.policy.threshold import TAU_GRID
+        from dilaserve_jax.serving.policy.threshold_config import TAU_GRID
 
         model, cfg = AccuracyModel.from_eval(self.rows), self.cfg
         grid = sorted({t for t in TAU_GRID if cfg.tau_min <= t <= cfg.tau_max} | {cfg.tau_min, cfg.tau_max})

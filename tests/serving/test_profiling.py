@@ -8,7 +8,7 @@ from dilaserve_jax.serving.policy.latency import LatencyModel, Profile
 from dilaserve_jax.serving.executor.profiling import measure_profile, refresh_reuse_ratios
 from dilaserve_jax.serving.executor.runner import JaxRunner
 from dilaserve_jax.serving.policy.eval_rows import prior_from_eval_json
-from dilaserve_jax.serving.policy.threshold import ThresholdConfig, TokensPerStep
+from dilaserve_jax.serving.policy.threshold_config import ThresholdConfig, TokensPerStep
 from dilaserve_jax.core.kinds import StepKind
 
 

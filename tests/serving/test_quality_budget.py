@@ -13,7 +13,7 @@ from dilaserve_jax.serving.policy.quality import QualityBudget, QualityConfig
 from dilaserve_jax.serving.policy.request import Request, RequestState
 from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
 from dilaserve_jax.serving.policy.eval_rows import accuracy_from_eval_json, prior_from_eval_json, read_eval_rows
-from dilaserve_jax.serving.policy.threshold import TAU_GRID, ThresholdConfig
+from dilaserve_jax.serving.policy.threshold_config import TAU_GRID, ThresholdConfig
 
 TAUS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 SAFE_ACC = dict(zip(TAUS, (0.95, 0.95, 0.95, 0.95, 0.95, 0.94)))

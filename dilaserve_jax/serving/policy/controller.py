@@ -47,7 +47,7 @@ from dilaserve_jax.core.layouts import binary_partitions, layout_text, moved_fra
 from dilaserve_jax.serving.policy.capacity import (LayoutPrediction, RequestShape, StepShapes, evaluate_layouts,
                                                    instance_curves)
 from dilaserve_jax.serving.policy.latency import LatencyModel
-from dilaserve_jax.serving.policy.threshold import DEFAULT_PRIOR
+from dilaserve_jax.serving.policy.threshold_config import DEFAULT_PRIOR
 from dilaserve_jax.core.kinds import StepKind
 
 

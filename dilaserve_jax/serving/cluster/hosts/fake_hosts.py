@@ -28,7 +28,7 @@ from dilaserve_jax.serving.cluster.weights_swap import NewWeights, WeightsError
 from dilaserve_jax.serving.policy.hosts_controller import ControlInputs
 from dilaserve_jax.serving.policy.latency import LatencyModel
 from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
-from dilaserve_jax.serving.policy.threshold import DEFAULT_PRIOR
+from dilaserve_jax.serving.policy.threshold_config import DEFAULT_PRIOR
 
 FAKE_PARAM_BYTES = 64 * 2**20  # what the controller prices a fake host's resharding at
 
