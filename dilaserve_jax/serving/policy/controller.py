@@ -29,7 +29,8 @@ Every `interval_s` the cluster (or the simulator) calls `decide(now, current, sn
   land on a layout for a load already gone (then dwell), so the decision waits for the window to
   catch up. Unless the load jumped to a new level and held it: when the last half-window's own
   last half agrees with it, the decision prices that half's rate at once, and switches only for a
-  gain beyond the cost by `level_shift_gain` (0.1), so that small swings still wait for the window. Every decision carries its reason and predictions, kept in `history`.
+  gain beyond the cost by `level_shift_gain` (0.1), so that small swings still wait for the window.
+  Every decision carries its reason and predictions, kept in `history`.
 - **Migration.** `plan_migrations`: a request at risk on one instance (it cannot meet its deadline
   there even at its τ floor) moves at the next step boundary to an instance with a free slot and
   an empty queue whose estimate says it will meet it there.
@@ -195,7 +196,8 @@ class ClusterController:
         if moved is None or self._level(times, now) is not None:
             return None
         recent, whole = moved
-        return f"{recent:.1f} req/s over the last {w / 2:g} s against {whole:.1f} over {w:g} s (settled within {100 * tol:.0f}%)"
+        return (f"{recent:.1f} req/s over the last {w / 2:g} s against {whole:.1f} over {w:g} s "
+                f"(settled within {100 * tol:.0f}%)")
 
     def _times(self, now: float) -> list[float]:
         with self._lock:
