@@ -30,15 +30,17 @@ from dilaserve_jax.serving.policy.threshold import ThresholdConfig, ThresholdCon
 class CountingController(ThresholdController):
     """The threshold controller, counting its pricing work: how many times it works out a
     request's steps left at a τ (`steps_priced`) and the time terms of its steps at a batch
-    (`times_priced`). Memoised prices are not counted: they cost a dictionary lookup."""
+    (`times_priced`). Memoised prices are not counted: they cost a dictionary lookup; nor are the
+    plan's own step counts per τ (`_dur`: a few integer divisions, at most the planned requests x
+    the τ grid per round, whatever the queue)."""
 
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
         self.calls = {k: 0 for k in PRICED}
 
-    def _step_costs(self, *args, **kw):
+    def _price_step_costs(self, *args, **kw):
         self.calls["times_priced"] += 1
-        return super()._step_costs(*args, **kw)
+        return super()._price_step_costs(*args, **kw)
 
     def _count_steps(self, *args, **kw):
         self.calls["steps_priced"] += 1

@@ -17,8 +17,6 @@ chosen or applied; everything else is the serving code unchanged.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from dilaserve_jax.serving.policy.threshold import ThresholdController
 
 ABLATIONS = ("threshold", "load", "reconfig", "migration")
@@ -38,7 +36,7 @@ class UniformTau(ThresholdController):
     def _solve(self, active, fracs, excluded, now, num_slots, free, step_time):
         cap, best = super()._solve(active, fracs, excluded, now, num_slots, free, step_time)
         reqs = {r.id: r for r, _ in active}
-        return cap, {rid: replace(d, tau=min(reqs[rid].tau_max, max(reqs[rid].tau_min, cap)))
+        return cap, {rid: d._replace(tau=min(reqs[rid].tau_max, max(reqs[rid].tau_min, cap)))
                      for rid, d in best.items()}
 
 
@@ -58,7 +56,7 @@ class _FixedAtTauMax(ThresholdController):
     def _solve(self, active, fracs, excluded, now, num_slots, free, step_time):
         cap, best = NoLoadControl._solve(self, active, fracs, excluded, now, num_slots, free, step_time)
         reqs = {r.id: r for r, _ in active}
-        return cap, {rid: replace(d, tau=reqs[rid].tau_max) for rid, d in best.items()}
+        return cap, {rid: d._replace(tau=reqs[rid].tau_max) for rid, d in best.items()}
 
 
 __all__ = ["ABLATIONS", "NoLoadControl", "UniformTau", "threshold_controller_class"]

@@ -193,14 +193,17 @@ class Request:
     def masked_left(self) -> int:
         return self.answer_length - self.committed
 
+    # (the planner reads these hundreds of times a round: plain comparisons, not max(), which costs
+    # several times more in CPython)
     @property
     def blocks_left(self) -> int:
         """Blocks not yet finished, counting the current one."""
-        return max(0, self.num_blocks - self.block_index)
+        n = self.answer_length // self.block_length - self.block_index
+        return n if n > 0 else 0
 
     @property
     def masked_in_block(self) -> int:
-        return self.block_length - self.block_committed if self.blocks_left else 0
+        return self.block_length - self.block_committed if self.answer_length // self.block_length > self.block_index else 0
 
     def mean_tau(self) -> float | None:
         return sum(s.tau for s in self.steps) / len(self.steps) if self.steps else None
@@ -216,13 +219,14 @@ class Request:
 
 def steps_left(req: Request, tokens_per_step: float) -> tuple[int, int]:
     """(refresh steps, reuse steps) to finish at `tokens_per_step` (>= 1) committed per step."""
-    if req.blocks_left == 0:
+    blocks = req.blocks_left  # (a `RequestView` has these too)
+    if blocks == 0:
         return 0, 0
-    tps = max(1.0, tokens_per_step)
-    first = max(1, math.ceil(req.masked_in_block / tps))
-    per_block = max(1, math.ceil(req.block_length / tps))
-    full = req.blocks_left - 1
-    n_refresh = full + (1 if req.needs_refresh else 0)
+    tps = tokens_per_step if tokens_per_step > 1.0 else 1.0
+    first = math.ceil(req.masked_in_block / tps)
+    per_block = math.ceil(req.block_length / tps)
+    first, per_block, full = first if first > 1 else 1, per_block if per_block > 1 else 1, blocks - 1
+    n_refresh = full + 1 if req.needs_refresh else full
     return n_refresh, first + full * per_block - n_refresh
 
 

@@ -400,20 +400,26 @@ class Scheduler:
         slice per round, oldest price first (approximation: a queued request's price lags the
         estimates by at most queue / reprice_per_round rounds); the requests' own state does not
         change while they wait, only the estimates and their planned τ do."""
-        b = max(1, min(self.cfg.num_slots, len(self.running) + len(self.waiting)))
-        running = tuple(self._price(r, b) for r in self.running.values())
-        reqs = [*self.running.values(), *self.waiting]
-        views, self._views = self._views, {}
-        at_risk = []
-        for r in reqs:
+        # (runs every iteration over the whole queue: comprehensions and plain comparisons)
+        run, waiting = list(self.running.values()), self.waiting
+        b = len(run) + len(waiting)
+        b = self.cfg.num_slots if b > self.cfg.num_slots else b if b > 1 else 1
+        price = self._price
+        running = tuple([price(r, b) for r in run])
+        at_risk = [RequestView.of(r) for r in run if r.at_risk]  # a running one's view changes every step
+        views, kept = self._views, {}
+        for r in waiting:
             if r.at_risk:
                 key = (r.id, r.moves)
-                v = views.get(key) if r.slot is None else None  # a running one's view changes every step
-                at_risk.append(v or RequestView.of(r))
-                if r.slot is None:
-                    self._views[key] = at_risk[-1]
+                v = views.get(key)
+                if v is None:
+                    v = RequestView.of(r)
+                kept[key] = v
+                at_risk.append(v)
+        self._views = kept
+        deadlines = tuple([r.deadline for r in run] + [r.deadline for r in waiting])
         return LoadSnapshot(now, self.cfg.num_slots, self.cfg.tp, running, self._waiting_prices(b),
-                            self.estimator(), tuple(r.deadline for r in reqs), tuple(at_risk), self.quality())
+                            self.estimator(), deadlines, tuple(at_risk), self.quality())
 
     def _price(self, r: Request, batch: int) -> float:
         # a request added since the last round has no decision yet: priced at its ceiling, as an
@@ -434,12 +440,11 @@ class Scheduler:
             r = self.requests.get(rid)
             if r is not None and r.slot is None:  # (every way out of the queue drops its price)
                 priced[rid] = self._price(r, batch)
-        out = []
-        for r in self.waiting:
-            p = priced.get(r.id)
-            if p is None:  # new here
-                p = priced[r.id] = self._price(r, batch)
-            out.append(p)
+        out = [priced.get(r.id) for r in self.waiting]
+        if None in out:  # new here
+            for i, r in enumerate(self.waiting):
+                if out[i] is None:
+                    out[i] = priced[r.id] = self._price(r, batch)
         return tuple(out)
 
     def estimator(self) -> RequestEstimator:

@@ -35,20 +35,22 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from operator import attrgetter
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 from dilaserve_jax.serving.policy.quality import QualityBudget, QualitySnapshot
 from dilaserve_jax.serving.policy.threshold_config import ThresholdConfig, TokensPerStep
 from dilaserve_jax.serving.policy.request import Request, steps_left
 from dilaserve_jax.core.kinds import StepKind
 
-StepTime = Callable[[StepKind, int, Request], float]  # (kind, batch, request) -> seconds
+# (kind, batch, request) -> seconds; it may look at the request's shape (canvas and block length)
+# only, so prices are shared by requests of one shape
+StepTime = Callable[[StepKind, int, Request], float]
 # a queued request's lost check is due again this share of its time before its slack runs out
 LOST_CHECK_MARGIN = 3.0
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(NamedTuple):  # (a plan makes hundreds a round: a tuple is built several times faster)
     tau: float
     at_risk: bool
     predicted_finish: float
@@ -69,6 +71,18 @@ class _Cand:
     running: bool
     per_refresh: float  # seconds per own refresh step (its batch plus the wait for the others' reuse)
     per_reuse: float  # seconds per own reuse step
+    ratio: float  # its tokens per step against the average
+    blocks: int  # blocks left, the current one counted
+    masked: int  # masked positions in the current block
+    n_refresh: int  # refresh steps left (the same at every τ)
+
+    def first_at_or_below(self, cap: float) -> int:
+        """Index of its highest τ at or below the cap (its lowest, τ_min, when every τ is above)."""
+        taus = self.taus
+        for i, t in enumerate(taus):
+            if t <= cap:
+                return i
+        return len(taus) - 1
 
 
 @dataclass(slots=True)
@@ -88,6 +102,7 @@ class ThresholdController:
     _steps_memo: dict[str, tuple[tuple, dict[float, tuple[float, float, tuple[int, int]]]]] = \
         field(default_factory=dict)  # id -> (its block state, τ -> (valid for rates in lo..hi, steps))
     _time_memo: dict[tuple, float] = field(default_factory=dict)
+    _cost_memo: dict[tuple, tuple[float, float]] = field(default_factory=dict)  # (shape, batch, others) -> costs
     _priced_with: StepTime | None = None  # the step-time function _time_memo holds prices of
     _unplanned_memo: dict[str, Decision] = field(default_factory=dict)  # queued, unplanned: its decision
     _cands_memo: dict[tuple[float, float], tuple[float, ...]] = field(default_factory=dict)  # (τ_min, τ_max) ->
@@ -119,6 +134,7 @@ class ThresholdController:
         """An estimate changed (tokens per step here; the caller's step times): drop memoised times
         (steps left are memoised with the rates they hold for, so they stay)."""
         self._time_memo.clear()
+        self._cost_memo.clear()
 
     def forget(self, req_id: str, served_loss: float | None = None) -> None:
         """The request left; `served_loss`: it finished ok with this predicted loss (counts in the mean)."""
@@ -156,7 +172,9 @@ class ThresholdController:
 
         Memoised with the range of tokens per step the answer holds for (the counts are ceilings
         of the masked tokens over it), so the estimates' small moves between steps price nothing."""
-        x = max(1.0, self.tps.rate(tau) * self.ratios.get(req.id, 1.0))
+        x = self.tps.rate(tau) * self.ratios.get(req.id, 1.0)
+        if not x > 1.0:  # max(1.0, x) (the builtin costs several times more; this runs hundreds of times a round)
+            x = 1.0
         state = (req.block_index, req.block_committed, req.needs_refresh)
         memo = self._steps_memo.get(req.id)
         if memo is None or memo[0] != state:
@@ -170,7 +188,7 @@ class ThresholdController:
         else:
             lo1, hi1 = _ceiling_range(req.masked_in_block, x)
             lo2, hi2 = _ceiling_range(req.block_length, x)
-            lo, hi = max(lo1, lo2), min(hi1, hi2)
+            lo, hi = (lo1 if lo1 > lo2 else lo2), (hi1 if hi1 < hi2 else hi2)
         memo[1][tau] = (lo, hi, out)
         return out
 
@@ -192,9 +210,7 @@ class ThresholdController:
         """
         if others_refreshing is None:
             others_refreshing = (batch - 1) * self.mean_refresh_fraction
-        if step_time is not self._priced_with and step_time != self._priced_with:  # another clock of steps
-            self._time_memo.clear()
-            self._priced_with = step_time
+        self._pricing_with(step_time)
         key = (req.id, tau, batch, others_refreshing, self.ratios.get(req.id, 1.0), req.block_index,
                req.block_committed, req.needs_refresh)
         out = self._time_memo.get(key)
@@ -208,9 +224,24 @@ class ThresholdController:
         per_refresh, per_reuse = self._step_costs(req, batch, step_time, others_refreshing)
         return (n_ref * per_refresh + n_reu * per_reuse) * self.cfg.safety
 
+    def _pricing_with(self, step_time: StepTime) -> None:
+        if step_time is not self._priced_with and step_time != self._priced_with:  # another clock of steps
+            self.invalidate()
+            self._priced_with = step_time
+
     def _step_costs(self, req: Request, batch: int, step_time: StepTime,
                     others_refreshing: float) -> tuple[float, float]:
-        """Seconds per own refresh and per own reuse step, the wait for the others' batches included."""
+        """Seconds per own refresh and per own reuse step, the wait for the others' batches included
+        (memoised per shape: the step times depend on the request through its shape alone)."""
+        self._pricing_with(step_time)
+        key = (req.canvas_length, req.block_length, batch, others_refreshing)
+        out = self._cost_memo.get(key)
+        if out is None:
+            out = self._cost_memo[key] = self._price_step_costs(req, batch, step_time, others_refreshing)
+        return out
+
+    def _price_step_costs(self, req: Request, batch: int, step_time: StepTime,
+                          others_refreshing: float) -> tuple[float, float]:
         t_ref = step_time(StepKind.REFRESH, batch, req)
         t_reu = step_time(StepKind.REUSE, batch, req)
         t_ref_others = step_time(StepKind.REFRESH, max(1, min(batch, math.ceil(others_refreshing))), req)
@@ -239,7 +270,7 @@ class ThresholdController:
         if len(waiting) > depth:  # deep queue: the lost ones and the least urgent of the rest wait unplanned
             self._find_lost(waiting, now, step_time)
             beyond = [w for w in waiting if w.id in self._lost]
-            order = sorted((w for w in waiting if w.id not in self._lost), key=lambda w: (w.deadline, w.arrival))
+            order = sorted([w for w in waiting if w.id not in self._lost], key=_BY_DEADLINE)
             waiting, beyond = order[:depth], beyond + order[depth:]
         active = [(r, True) for r in running] + [(w, False) for w in waiting]
         if not active:  # every queued request is lost
@@ -253,10 +284,11 @@ class ThresholdController:
         # spare capacity only, so the rest are planned without them
         risky: set[str] = set()
         members: list[Request] = []
+        feasible = self._feasibility(now, step_time)
         for req, _ in sorted(active, key=lambda a: (not a[1], a[0].deadline, a[0].arrival)):
-            b = max(1, min(len(members) + 1, num_slots))
-            group = [*members, req] if len(members) < num_slots else [req]
-            if all(self.feasible_at(r, now, b, step_time) for r in group):
+            n = len(members)  # it joins all of them while there are slots, else it stands alone
+            if feasible(req, n + 1 if n < num_slots else num_slots) and (
+                    n >= num_slots or all(feasible(r, n + 1) for r in members)):
                 members.append(req)
             else:
                 risky.add(req.id)
@@ -280,6 +312,20 @@ class ThresholdController:
         for req, _ in active:
             req.at_risk = best[req.id].at_risk
         return self._unplanned(beyond, now, best)
+
+    def _feasibility(self, now: float, step_time: StepTime) -> Callable[[Request, int], bool]:
+        """`feasible_at(req, now, batch, step_time)` for one round's plan, each request's steps at its
+        lowest τ worked out once (the same terms and arithmetic as `remaining_time`'s)."""
+        self._pricing_with(step_time)
+        safety, share, need = self.cfg.safety, self.mean_refresh_fraction, {}
+
+        def feasible(req: Request, batch: int) -> bool:
+            n = need.get(req.id)
+            if n is None:
+                n = need[req.id] = self.steps_needed(req, self.lowest_tau(req))
+            per_refresh, per_reuse = self._step_costs(req, batch, step_time, (batch - 1) * share)
+            return now + (n[0] * per_refresh + n[1] * per_reuse) * safety <= req.deadline
+        return feasible
 
     def _find_lost(self, waiting: Sequence[Request], now: float, step_time: StepTime) -> None:
         """Mark the queued requests that miss even started now, alone, at τ_min (they stay so while
@@ -331,15 +377,27 @@ class ThresholdController:
             others = (total - own) * per_slot  # only `batch` of them run concurrently
             taus = allowed(req)
             per_refresh, per_reuse = self._step_costs(req, batch, step_time, others)
-            cands.append(_Cand(req, taus, [None] * len(taus), is_running, per_refresh, per_reuse))
+            blocks = req.blocks_left
+            n_refresh = 0 if blocks == 0 else blocks if req.needs_refresh else blocks - 1
+            cands.append(_Cand(req, taus, [None] * len(taus), is_running, per_refresh, per_reuse,
+                               self.ratios.get(req.id, 1.0), blocks, req.masked_in_block, n_refresh))
         cands.sort(key=lambda c: (not c.running, c.req.id in excluded, c.req.deadline, c.req.arrival))
         return cands
 
     def _dur(self, c: _Cand, i: int) -> float:
-        """`remaining_time` of the candidate at its i-th τ (the same terms, its constant ones taken once)."""
+        """`remaining_time` of the candidate at its i-th τ: the same terms and arithmetic, its steps
+        counted as `steps_left` counts them (cheaper than the memo lookup `steps_needed` makes)."""
         d = c.durs[i]
         if d is None:
-            n_ref, n_reu = self.steps_needed(c.req, c.taus[i])
+            n_ref = c.n_refresh
+            if c.blocks == 0:
+                n_reu = 0
+            else:
+                x = self.tps.rate(c.taus[i]) * c.ratio
+                if not x > 1.0:
+                    x = 1.0
+                first, per_block = math.ceil(c.masked / x), math.ceil(c.req.block_length / x)
+                n_reu = (first if first > 1 else 1) + (c.blocks - 1) * (per_block if per_block > 1 else 1) - n_ref
             d = c.durs[i] = (n_ref * c.per_refresh + n_reu * c.per_reuse) * self.cfg.safety
         return d
 
@@ -372,41 +430,43 @@ class ThresholdController:
         slots = [now] * free  # times at which slots free up
         heapq.heapify(slots)
         out = {}
-        dur = self._dur
+        dur, push, pop = self._dur, heapq.heappush, heapq.heappop
         for c in cands:
             if c.running:
                 start = now
             elif slots:
-                start = heapq.heappop(slots)
+                start = pop(slots)
             else:
                 start = math.inf
             choice = None
-            durs, deadline, last = c.durs, c.req.deadline, len(c.taus) - 1
+            durs, deadline, taus = c.durs, c.req.deadline, c.taus
+            last = len(taus) - 1
             # times only fall as τ does (rates are monotone), so if τ_min misses, every τ does
-            d_last = durs[last]
-            if start + (dur(c, last) if d_last is None else d_last) <= deadline:
-                for i, t in enumerate(c.taus):
-                    if t <= cap or i == last:
-                        d = durs[i]
-                        if d is None:
-                            d = dur(c, i)
-                        if start + d <= deadline:
-                            choice = (t, d)
-                            break
+            d = durs[last]
+            if start + (dur(c, last) if d is None else d) <= deadline:
+                for i in range(c.first_at_or_below(cap), last + 1):
+                    d = durs[i]
+                    if d is None:
+                        d = dur(c, i)
+                    if start + d <= deadline:
+                        choice = i
+                        break
             if choice is None:  # hopeless even at τ_min: run fast when it runs, hold no place
                 if may_miss is not None and c.req.id not in may_miss:
                     return None
-                t, d = c.taus[-1], durs[last]
-                out[c.req.id] = Decision(t, True, start + d, start)
+                d = durs[last]
+                out[c.req.id] = Decision(taus[last], True, start + d, start)
                 if c.running:
-                    heapq.heappush(slots, now + d)
-                elif math.isfinite(start):
-                    heapq.heappush(slots, start)
+                    push(slots, now + d)
+                elif start != math.inf:
+                    push(slots, start)
             else:
-                if may_miss is not None and not c.running and choice[0] < min(cap, c.taus[0]) - 1e-9:
+                t = taus[choice]
+                top = taus[0]
+                if may_miss is not None and not c.running and t < (cap if cap < top else top) - 1e-9:
                     return None
-                out[c.req.id] = Decision(choice[0], False, start + choice[1], start)
-                heapq.heappush(slots, start + choice[1])
+                out[c.req.id] = Decision(t, False, start + d, start)
+                push(slots, start + d)
         return out
 
 
@@ -419,6 +479,9 @@ def _ceiling_range(masked: int, x: float) -> tuple[float, float]:
     # rates are clamped to >= 1, so the lowest step (k = masked, at rate 1) reaches down to any rate
     lo = -math.inf if k >= masked else masked / k * (1 + _MARGIN)
     return lo, (math.inf if k <= 1 else masked / (k - 1) * (1 - _MARGIN))
+
+
+_BY_DEADLINE = attrgetter("deadline", "arrival")
 
 
 def _misses(res: Mapping[str, Decision]) -> set[str]:
