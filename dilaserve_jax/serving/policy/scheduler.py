@@ -114,7 +114,7 @@ class Scheduler:
         self._finished: list[Request] = []
         self._memo: dict[tuple, float] = {}  # the latency model's step times (before the online correction)
         self._priced: OrderedDict[str, float] = OrderedDict()  # waiting request -> its last published price
-        self._views: dict[tuple[str, int], RequestView] = {}  # waiting requests' published views
+        self._views: dict[str, RequestView] = {}  # waiting requests' published views (made once each)
 
     # --- latency ---
     def set_latency_model(self, latency: LatencyModel) -> None:
@@ -178,7 +178,7 @@ class Scheduler:
         req = self.requests.pop(req_id)
         if req.slot is None:
             self.waiting.remove(req)
-            self._priced.pop(req_id, None)
+            self._left_queue(req_id)
         elif self.running.get(req.slot) is req:
             self._free_slot(req.slot)
         if req_id in self._aborts:
@@ -297,7 +297,7 @@ class Scheduler:
     def _start(self, w: Request, now: float) -> Admission:
         slot = self.free_slots.pop(0)
         self.waiting.remove(w)
-        self._priced.pop(w.id, None)
+        self._left_queue(w.id)
         w.transition(RequestState.RUNNING, now)
         w.slot, w.needs_refresh, w.steps_skipped = slot, True, 0
         self.running[slot] = w
@@ -363,7 +363,7 @@ class Scheduler:
     def _finish(self, req: Request, state: RequestState, now: float) -> None:
         if req.slot is None:
             self.waiting.remove(req)
-            self._priced.pop(req.id, None)
+            self._left_queue(req.id)
         elif self.running.get(req.slot) is req:
             self._free_slot(req.slot)
         req.transition(state, now)
@@ -407,19 +407,19 @@ class Scheduler:
         price = self._price
         running = tuple([price(r, b) for r in run])
         at_risk = [RequestView.of(r) for r in run if r.at_risk]  # a running one's view changes every step
-        views, kept = self._views, {}
-        for r in waiting:
-            if r.at_risk:
-                key = (r.id, r.moves)
-                v = views.get(key)
-                if v is None:
-                    v = RequestView.of(r)
-                kept[key] = v
-                at_risk.append(v)
-        self._views = kept
+        views = self._views  # a waiting one's does not (dropped when it leaves the queue)
+        at_risk += [views.get(r.id) or self._view(r) for r in waiting if r.at_risk]
         deadlines = tuple([r.deadline for r in run] + [r.deadline for r in waiting])
         return LoadSnapshot(now, self.cfg.num_slots, self.cfg.tp, running, self._waiting_prices(b),
                             self.estimator(), deadlines, tuple(at_risk), self.quality())
+
+    def _view(self, r: Request) -> RequestView:
+        v = self._views[r.id] = RequestView.of(r)
+        return v
+
+    def _left_queue(self, req_id: str) -> None:
+        self._priced.pop(req_id, None)
+        self._views.pop(req_id, None)
 
     def _price(self, r: Request, batch: int) -> float:
         # a request added since the last round has no decision yet: priced at its ceiling, as an

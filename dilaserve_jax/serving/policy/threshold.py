@@ -32,12 +32,12 @@ made again with those floors. Every step's commits are charged to the request's 
 """
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass, field
-from operator import attrgetter
-from typing import Callable, Mapping, NamedTuple, Sequence
+from typing import Callable, Sequence
 
+from dilaserve_jax.serving.policy.plan_pass import (BY_DEADLINE, Candidate, Decision, boundary,
+                                                    first_at_or_below, misses, schedule_pass)
 from dilaserve_jax.serving.policy.quality import QualityBudget, QualitySnapshot
 from dilaserve_jax.serving.policy.threshold_config import ThresholdConfig, TokensPerStep
 from dilaserve_jax.serving.policy.request import Request, steps_left
@@ -48,41 +48,6 @@ from dilaserve_jax.core.kinds import StepKind
 StepTime = Callable[[StepKind, int, Request], float]
 # a queued request's lost check is due again this share of its time before its slack runs out
 LOST_CHECK_MARGIN = 3.0
-
-
-class Decision(NamedTuple):  # (a plan makes hundreds a round: a tuple is built several times faster)
-    tau: float
-    at_risk: bool
-    predicted_finish: float
-    predicted_start: float  # now for running requests; when a slot frees for queued ones
-
-    def slack_if_started(self, deadline: float, now: float) -> float:
-        """Slack if it ran from now on (queue position left out, so order is not self-fulfilling)."""
-        return deadline - (now + self.predicted_finish - self.predicted_start)
-
-
-@dataclass(slots=True)
-class _Cand:
-    """A request in one plan: its allowed τ, and what its remaining time at each is made of (the
-    terms of `ThresholdController.remaining_time` that do not depend on τ, taken once)."""
-    req: Request
-    taus: Sequence[float]  # descending
-    durs: list[float | None]  # predicted seconds to finish at each τ, priced when a pass first needs it
-    running: bool
-    per_refresh: float  # seconds per own refresh step (its batch plus the wait for the others' reuse)
-    per_reuse: float  # seconds per own reuse step
-    ratio: float  # its tokens per step against the average
-    blocks: int  # blocks left, the current one counted
-    masked: int  # masked positions in the current block
-    n_refresh: int  # refresh steps left (the same at every τ)
-
-    def first_at_or_below(self, cap: float) -> int:
-        """Index of its highest τ at or below the cap (its lowest, τ_min, when every τ is above)."""
-        taus = self.taus
-        for i, t in enumerate(taus):
-            if t <= cap:
-                return i
-        return len(taus) - 1
 
 
 @dataclass(slots=True)
@@ -270,7 +235,7 @@ class ThresholdController:
         if len(waiting) > depth:  # deep queue: the lost ones and the least urgent of the rest wait unplanned
             self._find_lost(waiting, now, step_time)
             beyond = [w for w in waiting if w.id in self._lost]
-            order = sorted([w for w in waiting if w.id not in self._lost], key=_BY_DEADLINE)
+            order = sorted([w for w in waiting if w.id not in self._lost], key=BY_DEADLINE)
             waiting, beyond = order[:depth], beyond + order[depth:]
         active = [(r, True) for r in running] + [(w, False) for w in waiting]
         if not active:  # every queued request is lost
@@ -332,10 +297,8 @@ class ThresholdController:
         they wait). A request is priced again only from `LOST_CHECK_MARGIN` of its time before the
         slack its last check found runs out, then every round: found when a check every round
         would find it unless its predicted time grew by more than the margin meanwhile."""
-        lost, due = self._lost, self._lost_due
-        for w in waiting:
-            if w.id in lost or now <= due.get(w.id, -math.inf):
-                continue
+        lost, due, never = self._lost, self._lost_due, -math.inf
+        for w in [w for w in waiting if w.id not in lost and now > due.get(w.id, never)]:
             alone = self.remaining_time(w, w.tau_min, 1, step_time)
             if now + alone > w.deadline:
                 lost.add(w.id)
@@ -347,11 +310,10 @@ class ThresholdController:
         """Not planned this round: lowest priority, and fast if it runs anyway. Its decision is made
         once while it waits (a queued request's state does not change; its slack counts from now)."""
         memo = self._unplanned_memo
+        for w in [w for w in beyond if w.id not in memo]:
+            memo[w.id] = Decision(self.fast_tau(w), True, now, now)
+        best.update([(w.id, memo[w.id]) for w in beyond])
         for w in beyond:
-            d = memo.get(w.id)
-            if d is None:
-                d = memo[w.id] = Decision(self.fast_tau(w), True, now, now)
-            best[w.id] = d
             w.at_risk = True
         return best
 
@@ -364,14 +326,15 @@ class ThresholdController:
         return min((t for t in cands if self.budget.cost(req, t) <= 1e-12), default=cands[0])
 
     def _plan_candidates(self, active, fracs, excluded: set[str], num_slots: int, step_time: StepTime,
-                         allowed: Callable[[Request], Sequence[float]]) -> list[_Cand]:
+                         allowed: Callable[[Request], Sequence[float]]) -> list[Candidate]:
         """Each request's allowed τ (priced when a pass reaches them), in planning order (running
         first, then by deadline)."""
         n = len(active) - len(excluded)
         batch = max(1, min(n, num_slots))
         per_slot = (batch - 1) / max(1, n - 1) if n > 1 else 0.0
         total = sum(f for rid, f in fracs.items() if rid not in excluded)
-        cands = []
+        cands, firsts = [], {}
+        caps = self._caps()
         for req, is_running in active:
             own = 0.0 if req.id in excluded else fracs[req.id]
             others = (total - own) * per_slot  # only `batch` of them run concurrently
@@ -379,12 +342,15 @@ class ThresholdController:
             per_refresh, per_reuse = self._step_costs(req, batch, step_time, others)
             blocks = req.blocks_left
             n_refresh = 0 if blocks == 0 else blocks if req.needs_refresh else blocks - 1
-            cands.append(_Cand(req, taus, [None] * len(taus), is_running, per_refresh, per_reuse,
-                               self.ratios.get(req.id, 1.0), blocks, req.masked_in_block, n_refresh))
+            first = firsts.get(id(taus))
+            if first is None:  # (the τ lists come from a memo: a handful of distinct ones per round)
+                first = firsts[id(taus)] = {cap: first_at_or_below(taus, cap) for cap in caps}
+            cands.append(Candidate(req, taus, [None] * len(taus), is_running, per_refresh, per_reuse,
+                               self.ratios.get(req.id, 1.0), blocks, req.masked_in_block, n_refresh, first))
         cands.sort(key=lambda c: (not c.running, c.req.id in excluded, c.req.deadline, c.req.arrival))
         return cands
 
-    def _dur(self, c: _Cand, i: int) -> float:
+    def _dur(self, c: Candidate, i: int) -> float:
         """`remaining_time` of the candidate at its i-th τ: the same terms and arithmetic, its steps
         counted as `steps_left` counts them (cheaper than the memo lookup `steps_needed` makes)."""
         d = c.durs[i]
@@ -401,74 +367,35 @@ class ThresholdController:
             d = c.durs[i] = (n_ref * c.per_refresh + n_reu * c.per_reuse) * self.cfg.safety
         return d
 
+    def _pass(self, cands: list[Candidate], now: float, free: int, cap: float,
+              may_miss: set[str] | None = None) -> dict[str, Decision] | None:
+        return schedule_pass(cands, now, free, cap, may_miss, self._dur)
+
+    def _caps(self) -> list[float]:
+        """The load caps a plan tries, highest first: the τ grid and 1.0."""
+        return sorted({t for t in self.cfg.grid} | {1.0}, reverse=True)
+
     def _solve(self, active, fracs, excluded: set[str], now: float, num_slots: int, free: int,
                step_time: StepTime) -> tuple[float, dict[str, Decision]]:
         cands = self._plan_candidates(active, fracs, excluded, num_slots, step_time, self._allowed)
-        caps = sorted({t for t in self.cfg.grid} | {1.0}, reverse=True)
+        caps = self._caps()
         # the highest cap that (a) misses no request the floor cap would meet — a higher cap that
         # merely misses as *many*, but earlier-deadline ones, is not acceptable — and (b) lets every
         # queued request run at the cap too, so running requests do not spend the queue's slack
-        # (thresholds drop together). Binary search: both get harder, nearly monotonically, with the cap.
+        # (thresholds drop together). Both get harder, nearly monotonically, with the cap, so the
+        # answer is searched for as the boundary of a monotone test: from last round's cap outwards
+        # (under steady load the answer moves little: two tests), doubling the step, then bisected
         floor = self._pass(cands, now, free, caps[-1])
-        floor_misses = _misses(floor)
-        best_cap, best = caps[-1], floor
-        lo, hi = 0, len(caps) - 1
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            res = self._pass(cands, now, free, caps[mid], floor_misses)
-            if res is not None:
-                best_cap, best, hi = caps[mid], res, mid - 1
-            else:
-                lo = mid + 1
-        return best_cap, best
+        floor_misses = misses(floor)
+        tested: dict[int, dict[str, Decision] | None] = {}
 
-    def _pass(self, cands: list[_Cand], now: float, free: int, cap: float,
-              may_miss: set[str] | None = None) -> dict[str, Decision] | None:
-        """Each candidate's τ at this cap, in order, each queued one starting when a slot frees.
-        With `may_miss` (the floor's misses) the pass is a test of the cap: None as soon as a
-        request outside it misses, or a queued one cannot run at the cap (its highest τ below it)."""
-        slots = [now] * free  # times at which slots free up
-        heapq.heapify(slots)
-        out = {}
-        dur, push, pop = self._dur, heapq.heappush, heapq.heappop
-        for c in cands:
-            if c.running:
-                start = now
-            elif slots:
-                start = pop(slots)
-            else:
-                start = math.inf
-            choice = None
-            durs, deadline, taus = c.durs, c.req.deadline, c.taus
-            last = len(taus) - 1
-            # times only fall as τ does (rates are monotone), so if τ_min misses, every τ does
-            d = durs[last]
-            if start + (dur(c, last) if d is None else d) <= deadline:
-                for i in range(c.first_at_or_below(cap), last + 1):
-                    d = durs[i]
-                    if d is None:
-                        d = dur(c, i)
-                    if start + d <= deadline:
-                        choice = i
-                        break
-            if choice is None:  # hopeless even at τ_min: run fast when it runs, hold no place
-                if may_miss is not None and c.req.id not in may_miss:
-                    return None
-                d = durs[last]
-                out[c.req.id] = Decision(taus[last], True, start + d, start)
-                if c.running:
-                    push(slots, now + d)
-                elif start != math.inf:
-                    push(slots, start)
-            else:
-                t = taus[choice]
-                top = taus[0]
-                if may_miss is not None and not c.running and t < (cap if cap < top else top) - 1e-9:
-                    return None
-                out[c.req.id] = Decision(t, False, start + d, start)
-                push(slots, start + d)
-        return out
+        def passes(i: int) -> bool:
+            if i not in tested:
+                tested[i] = self._pass(cands, now, free, caps[i], floor_misses)
+            return tested[i] is not None
 
+        i = boundary(passes, caps.index(self.cap) if self.cap in caps else 0, len(caps))
+        return (caps[-1], floor) if i is None else (caps[i], tested[i])
 
 _MARGIN = 1e-9  # relative: a rate this close to a step of the ceiling is priced again, not trusted
 
@@ -479,10 +406,3 @@ def _ceiling_range(masked: int, x: float) -> tuple[float, float]:
     # rates are clamped to >= 1, so the lowest step (k = masked, at rate 1) reaches down to any rate
     lo = -math.inf if k >= masked else masked / k * (1 + _MARGIN)
     return lo, (math.inf if k <= 1 else masked / (k - 1) * (1 - _MARGIN))
-
-
-_BY_DEADLINE = attrgetter("deadline", "arrival")
-
-
-def _misses(res: Mapping[str, Decision]) -> set[str]:
-    return {rid for rid, d in res.items() if d.at_risk}
