@@ -70,6 +70,12 @@ def _host_of(instance: str) -> str:
     return instance.split("/")[0]
 
 
+def _held_on(hosts, host: str) -> int:
+    """Calls the instances on `host` hold (running, queued, or submitted and not yet seen)."""
+    return sum(len(s.load.running_left) + len(s.load.waiting_left) + len(s.pending)
+               for s in hosts.cluster.snapshots() if _host_of(s.name) == host)
+
+
 def test_one_endpoint_serves_every_host_and_lists_their_instances(multihost, one_process_answers):
     server, hosts = multihost
     with server.client() as c:
@@ -138,8 +144,9 @@ def test_sigkill_of_a_worker_under_load_loses_nothing(multihost, one_process_ans
     with server.client() as c, ThreadPoolExecutor(64) as pool:
         calls = [pool.submit(c.generate, p, max_new_tokens=32, block_length=16) for p in PROMPTS]
         t_end = time.monotonic() + 20
-        while hosts.cluster.in_flight() < 48 and time.monotonic() < t_end:
-            time.sleep(0.002)
+        while (hosts.cluster.in_flight() < 48 or _held_on(hosts, victim) < 4) and time.monotonic() < t_end:
+            time.sleep(0.002)  # kill only once the victim holds calls (placement depends on timing)
+        assert _held_on(hosts, victim) >= 1
         os.kill(pid, signal.SIGKILL)
         got = [f.result(60) for f in calls]
         state = c.cluster_state()
