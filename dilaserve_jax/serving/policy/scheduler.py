@@ -357,8 +357,10 @@ class Scheduler:
         pred = self.latency.predict(plan.kind, len(reqs), longest.canvas_length, longest.block_length, self.cfg.tp)
         if pred > 0:
             ratio = min(10.0, max(0.1, duration / pred))
-            self.lat_scale[plan.kind] += a * (ratio - self.lat_scale[plan.kind])
-            self.controller.invalidate()  # its memoised times were priced at the old correction
+            old = self.lat_scale[plan.kind]
+            self.lat_scale[plan.kind] = old + a * (ratio - old)
+            if self.lat_scale[plan.kind] != old:
+                self.controller.invalidate()  # its memoised times were priced at the old correction
 
     def _finish(self, req: Request, state: RequestState, now: float) -> None:
         if req.slot is None:

@@ -67,7 +67,7 @@ class ThresholdController:
     _steps_memo: dict[str, tuple[tuple, dict[float, tuple[float, float, tuple[int, int]]]]] = \
         field(default_factory=dict)  # id -> (its block state, τ -> (valid for rates in lo..hi, steps))
     _time_memo: dict[tuple, float] = field(default_factory=dict)
-    _cost_memo: dict[tuple, tuple[float, float]] = field(default_factory=dict)  # (shape, batch, others) -> costs
+    _cost_memo: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)  # step times per shape
     _priced_with: StepTime | None = None  # the step-time function _time_memo holds prices of
     _unplanned_memo: dict[str, Decision] = field(default_factory=dict)  # queued, unplanned: its decision
     _cands_memo: dict[tuple[float, float], tuple[float, ...]] = field(default_factory=dict)  # (τ_min, τ_max) ->
@@ -93,11 +93,12 @@ class ThresholdController:
         r += self.cfg.request_ema * (n_committed / expected - r)
         self.ratios[req.id] = min(4.0, max(0.25, r))
         self.tps.observe(tau, n_committed)
-        self.invalidate()
+        self._time_memo.clear()  # the step times (`_cost_memo`) do not depend on the rates
 
     def invalidate(self) -> None:
-        """An estimate changed (tokens per step here; the caller's step times): drop memoised times
-        (steps left are memoised with the rates they hold for, so they stay)."""
+        """The caller's step-time estimate changed: drop memoised times (steps left are memoised
+        with the rates they hold for, so they stay; a change of the rates alone clears only the
+        remaining times, which `_time_memo` holds)."""
         self._time_memo.clear()
         self._cost_memo.clear()
 
@@ -108,7 +109,7 @@ class ThresholdController:
         self._lost_due.pop(req_id, None)
         self._unplanned_memo.pop(req_id, None)
         self._steps_memo.pop(req_id, None)
-        self.invalidate()  # an id may come back (moved away and back): no price of its old state survives
+        self._time_memo.clear()  # an id may come back (moved away and back): no price of its old state survives
         self._lowest.pop(req_id, None)
         self._last_tau.pop(req_id, None)
         self._floors.pop(req_id, None)
@@ -196,23 +197,27 @@ class ThresholdController:
 
     def _step_costs(self, req: Request, batch: int, step_time: StepTime,
                     others_refreshing: float) -> tuple[float, float]:
-        """Seconds per own refresh and per own reuse step, the wait for the others' batches included
-        (memoised per shape: the step times depend on the request through its shape alone)."""
+        """Seconds per own refresh and per own reuse step, the wait for the others' batches included.
+        The step times are memoised per shape and batches (the request counts through its shape
+        alone) until the step-time estimate changes; the waits are worked out per call."""
         self._pricing_with(step_time)
-        key = (req.canvas_length, req.block_length, batch, others_refreshing)
-        out = self._cost_memo.get(key)
-        if out is None:
-            out = self._cost_memo[key] = self._price_step_costs(req, batch, step_time, others_refreshing)
-        return out
-
-    def _price_step_costs(self, req: Request, batch: int, step_time: StepTime,
-                          others_refreshing: float) -> tuple[float, float]:
-        t_ref = step_time(StepKind.REFRESH, batch, req)
-        t_reu = step_time(StepKind.REUSE, batch, req)
-        t_ref_others = step_time(StepKind.REFRESH, max(1, min(batch, math.ceil(others_refreshing))), req)
-        wait_reuse = (1 - self.cfg.refresh_alignment) * min(1.0, others_refreshing) * t_ref_others
+        k = math.ceil(others_refreshing)
+        k = 1 if k < 1 else batch if k > batch else k  # the others' refresh batch
+        key = (req.canvas_length, req.block_length, batch, k)
+        times = self._cost_memo.get(key)
+        if times is None:
+            times = self._cost_memo[key] = self._price_step_costs(req, batch, k, step_time)
+        t_ref, t_reu, t_ref_others = times
+        wait_reuse = (1 - self.cfg.refresh_alignment) * (others_refreshing if others_refreshing < 1.0 else 1.0) \
+            * t_ref_others
         wait_refresh = t_reu if batch > 1 else 0.0  # per own refresh step
         return t_ref + wait_refresh, t_reu + wait_reuse
+
+    def _price_step_costs(self, req: Request, batch: int, others_batch: int,
+                          step_time: StepTime) -> tuple[float, float, float]:
+        """(own refresh, own reuse, the others' refresh batch) step times."""
+        return (step_time(StepKind.REFRESH, batch, req), step_time(StepKind.REUSE, batch, req),
+                step_time(StepKind.REFRESH, others_batch, req))
 
     def lowest_tau(self, req: Request) -> float:
         """The lowest τ it may run at: what the budget's last grant allows it (its free τ, or the
