@@ -114,6 +114,7 @@ class QualityBudget:
     _weights: dict[str, tuple[float, ...]] = field(default_factory=dict)
     _losses: dict[tuple[float, float], tuple[float, ...]] = field(default_factory=dict)
     _own_losses: dict[str, dict[tuple[float, float], float]] = field(default_factory=dict)  # id -> (τ, ref) -> loss
+    _free: dict[str, tuple[tuple, float]] = field(default_factory=dict)  # id -> (what it depends on, free τ)
 
     # --- the model, per request ---
     def reference(self, req) -> float:
@@ -157,6 +158,17 @@ class QualityBudget:
             out = mine[key] = sum(w * x for w, x in zip(self.weights(req), table))
         return out
 
+    def free_tau(self, req, candidates: Sequence[float]) -> float:
+        """The lowest candidate that costs nothing (the highest when every one costs); kept until
+        the request's predicted loss, τ_max, candidates or weights change."""
+        key = (req.predicted_loss, req.tau_max, candidates)
+        hit = self._free.get(req.id)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        free = min((t for t in candidates if self.cost(req, t) <= 1e-12), default=max(candidates))
+        self._free[req.id] = (key, free)
+        return free
+
     def cost(self, req, tau: float) -> float:
         """Predicted loss (points) added if the request's next steps run at τ and change commits."""
         return max(0.0, self.loss(req, tau) - req.predicted_loss)
@@ -192,6 +204,7 @@ class QualityBudget:
             req.evidence = tuple(int(c) for c in counts)
             self._weights.pop(req.id, None)
             self._own_losses.pop(req.id, None)
+            self._free.pop(req.id, None)
 
     def charge(self, req, tau: float, counts: Sequence[int] = (), max_confidence: float | None = None) -> float:
         """Charge one step run at τ, given its confidence histogram (before commit) and highest
@@ -214,6 +227,7 @@ class QualityBudget:
         pooled = self.pooled_active.pop(req_id, None)
         self._weights.pop(req_id, None)
         self._own_losses.pop(req_id, None)
+        self._free.pop(req_id, None)
         if served and predicted_loss is not None:
             self.served += 1
             self.loss_served += predicted_loss
@@ -247,9 +261,7 @@ class QualityBudget:
             return {r.id: self.floor(r, candidates[r.id]) for r in reqs}
         asks = []
         for r in reqs:
-            cands = candidates[r.id]
-            free = min((t for t in cands if self.cost(r, t) <= 1e-12), default=max(cands))
-            floors[r.id] = free
+            free = floors[r.id] = self.free_tau(r, candidates[r.id])
             want = desired.get(r.id, free)
             if want < free:
                 asks.append((at_risk.get(r.id, False), self.cost(r, want), r.deadline, r, want))
