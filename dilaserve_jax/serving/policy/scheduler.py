@@ -37,6 +37,7 @@ from dilaserve_jax.serving.policy.latency import LatencyModel
 from dilaserve_jax.serving.policy.quality import QualitySnapshot
 from dilaserve_jax.serving.policy.request import Request, RequestState
 from dilaserve_jax.serving.policy.snapshots import LoadSnapshot, RequestEstimator, RequestView
+from dilaserve_jax.serving.policy.step_time import ScaledStepTime
 from dilaserve_jax.serving.policy.threshold import Decision, ThresholdConfig, ThresholdController
 from dilaserve_jax.serving.policy.types import Admission, StepPlan
 from dilaserve_jax.core.outcome import SlotOutcome
@@ -108,7 +109,8 @@ class Scheduler:
         self.running: dict[int, Request] = {}  # slot -> request
         self.free_slots: list[int] = list(range(config.num_slots))
         self.decisions: dict[str, Decision] = {}
-        self.lat_scale = {StepKind.REFRESH: 1.0, StepKind.REUSE: 1.0}
+        self.lat_scale = {StepKind.REFRESH: 1.0, StepKind.REUSE: 1.0}  # updated in place (step_times reads it)
+        self.step_times = ScaledStepTime(self._model_step_time, self.lat_scale)  # what the controller prices with
         self._aborts: list[str] = []
         self._releases: list[int] = []
         self._finished: list[Request] = []
@@ -125,16 +127,20 @@ class Scheduler:
 
     def step_time(self, kind: StepKind, batch: int, req: Request) -> float:
         """Seconds per round in which each of `batch` requests takes one step of `kind`: one batch,
-        or smaller ones back to back where the measured profile makes that cheaper (a CPU)."""
+        or smaller ones back to back where the measured profile makes that cheaper (a CPU); the
+        latency model's time times the online correction."""
+        return self._model_step_time(kind, batch, req) * self.lat_scale[kind]
+
+    def _model_step_time(self, kind: StepKind, batch: int, req: Request) -> float:
         key = (kind, batch, req.canvas_length, req.block_length)
         t = self._memo.get(key)
         if t is None:
             t = self._memo[key] = self.latency.round_seconds(kind, batch, req.canvas_length, req.block_length,
                                                              self.cfg.tp)
-        return t * self.lat_scale[kind]
+        return t
 
     def _feasible(self, req: Request, now: float, batch: int) -> bool:
-        return self.controller.feasible_at(req, now, batch, self.step_time)
+        return self.controller.feasible_at(req, now, batch, self.step_times)
 
     # --- requests in ---
     def add(self, req: Request, now: float | None = None, speed_ratio: float | None = None) -> AddResult:
@@ -159,7 +165,7 @@ class Scheduler:
             reason = "deadline already passed (strict admission)"
         elif self.cfg.strict_for(req) and not self._feasible(req, now, 1):
             low = self.controller.lowest_tau(req)
-            need = self.controller.remaining_time(req, low, 1, self.step_time)
+            need = self.controller.remaining_time(req, low, 1, self.step_times)
             at = f"tau_min={req.tau_min}" if low == req.tau_min else f"tau={low} (the lowest the accuracy budget allows)"
             reason = (f"deadline infeasible even at {at} on an idle instance "
                       f"(needs {need:.3g}s, has {req.deadline - now:.3g}s; strict admission)")
@@ -214,7 +220,7 @@ class Scheduler:
         releases, self._releases = tuple(self._releases), []
         if self.cfg.adaptive:
             self.decisions = self.controller.plan(list(self.running.values()), self.waiting, now,
-                                                  self.cfg.num_slots, self.step_time)
+                                                  self.cfg.num_slots, self.step_times)
         admits = self._admit(now)
         kind, batch, limit = self._pick_batch(now)
         if not (batch or admits or releases):
@@ -360,7 +366,7 @@ class Scheduler:
             old = self.lat_scale[plan.kind]
             self.lat_scale[plan.kind] = old + a * (ratio - old)
             if self.lat_scale[plan.kind] != old:
-                self.controller.invalidate()  # its memoised times were priced at the old correction
+                self.controller.rescaled()  # its memoised times were priced at the old correction
 
     def _finish(self, req: Request, state: RequestState, now: float) -> None:
         if req.slot is None:
@@ -395,7 +401,7 @@ class Scheduler:
         return self.controller.quality_snapshot()
 
     def request_time(self, req: Request, batch: int, tau: float | None = None) -> float:
-        return self.controller.remaining_time(req, req.tau_max if tau is None else tau, batch, self.step_time)
+        return self.controller.remaining_time(req, req.tau_max if tau is None else tau, batch, self.step_times)
 
     def snapshot(self, now: float) -> LoadSnapshot:
         """The published load. Waiting requests beyond `reprice_per_round` are priced again a

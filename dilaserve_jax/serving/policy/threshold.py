@@ -41,11 +41,10 @@ from dilaserve_jax.serving.policy.plan_pass import (BY_DEADLINE, Candidate, Deci
 from dilaserve_jax.serving.policy.quality import QualityBudget, QualitySnapshot
 from dilaserve_jax.serving.policy.threshold_config import ThresholdConfig, TokensPerStep
 from dilaserve_jax.serving.policy.request import Request, steps_left
+from dilaserve_jax.serving.policy.step_time import ScaledStepTime, StepTime
 from dilaserve_jax.core.kinds import StepKind
 
-# (kind, batch, request) -> seconds; it may look at the request's shape (canvas and block length)
-# only, so prices are shared by requests of one shape
-StepTime = Callable[[StepKind, int, Request], float]
+_REFRESH, _REUSE = StepKind.REFRESH, StepKind.REUSE
 # a queued request's lost check is due again this share of its time before its slack runs out
 LOST_CHECK_MARGIN = 3.0
 
@@ -69,6 +68,7 @@ class ThresholdController:
     _time_memo: dict[tuple, float] = field(default_factory=dict)
     _cost_memo: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)  # step times per shape
     _priced_with: StepTime | None = None  # the step-time function _time_memo holds prices of
+    _scaled: bool = False  # it is a ScaledStepTime: _cost_memo holds its base times, unscaled
     _unplanned_memo: dict[str, Decision] = field(default_factory=dict)  # queued, unplanned: its decision
     _cands_memo: dict[tuple[float, float], tuple[float, ...]] = field(default_factory=dict)  # (τ_min, τ_max) ->
 
@@ -94,6 +94,13 @@ class ThresholdController:
         self.ratios[req.id] = min(4.0, max(0.25, r))
         self.tps.observe(tau, n_committed)
         self._time_memo.clear()  # the step times (`_cost_memo`) do not depend on the rates
+
+    def rescaled(self) -> None:
+        """The step-time function's correction (`ScaledStepTime.scales`) changed: drop the times
+        priced with it (the base times stay when they are kept apart from it)."""
+        self._time_memo.clear()
+        if not self._scaled:
+            self._cost_memo.clear()
 
     def invalidate(self) -> None:
         """The caller's step-time estimate changed: drop memoised times (steps left are memoised
@@ -194,6 +201,7 @@ class ThresholdController:
         if step_time is not self._priced_with and step_time != self._priced_with:  # another clock of steps
             self.invalidate()
             self._priced_with = step_time
+            self._scaled = isinstance(step_time, ScaledStepTime)
 
     def _step_costs(self, req: Request, batch: int, step_time: StepTime,
                     others_refreshing: float) -> tuple[float, float]:
@@ -205,9 +213,16 @@ class ThresholdController:
         k = 1 if k < 1 else batch if k > batch else k  # the others' refresh batch
         key = (req.canvas_length, req.block_length, batch, k)
         times = self._cost_memo.get(key)
-        if times is None:
-            times = self._cost_memo[key] = self._price_step_costs(req, batch, k, step_time)
-        t_ref, t_reu, t_ref_others = times
+        if self._scaled:  # base times memoised, the correction applied as ScaledStepTime applies it
+            if times is None:
+                times = self._cost_memo[key] = self._price_step_costs(req, batch, k, step_time.base)
+            scales = step_time.scales
+            s_ref = scales[_REFRESH]
+            t_ref, t_reu, t_ref_others = times[0] * s_ref, times[1] * scales[_REUSE], times[2] * s_ref
+        else:
+            if times is None:
+                times = self._cost_memo[key] = self._price_step_costs(req, batch, k, step_time)
+            t_ref, t_reu, t_ref_others = times
         wait_reuse = (1 - self.cfg.refresh_alignment) * (others_refreshing if others_refreshing < 1.0 else 1.0) \
             * t_ref_others
         wait_refresh = t_reu if batch > 1 else 0.0  # per own refresh step
