@@ -30,7 +30,7 @@ from dilaserve_jax.serving.policy.latency import LatencyModel
 from dilaserve_jax.serving.policy.limits import DEFAULT_MAX_QUEUE
 from dilaserve_jax.serving.policy.quality import BUDGET_MODES
 from dilaserve_jax.serving.policy.request import Request, RequestState
-from dilaserve_jax.serving.policy.scheduler import POLICIES, Scheduler, SchedulerConfig
+from dilaserve_jax.serving.policy.scheduler import OVERLOAD_RULES, POLICIES, Scheduler, SchedulerConfig
 from dilaserve_jax.serving.policy.threshold import ThresholdConfig
 from dilaserve_jax.sim.cluster import ARRIVAL, CONTROL, SWITCH, SimCluster, SimInstance, SwitchCost
 from dilaserve_jax.sim.executor import ModelledRunner, StepTimeModel, VirtualClock, advance
@@ -60,6 +60,10 @@ class SimConfig:
     tau_min: float = opt(0.6, "per-request τ floor")
     tau_max: float = opt(0.9, "per-request τ ceiling")
     max_queue: int = opt(DEFAULT_MAX_QUEUE, "waiting requests per instance before rejection (as serve)")
+    overload_rules: bool = opt(False, "dilaserve: the overload rules under trial (preemption of at-risk requests, "
+                                      "one slot by starvation, riders at most 10 percent dearer, the shortest late "
+                                      "request first; docs/scheduling.md)",
+                               parse=lambda text: text.lower() in ("1", "true", "yes", "on"))
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     max_accuracy_drop: float | None = opt(1.0, "dilaserve: the serving accuracy budget, mean predicted drop vs "
                                                "τ_max in points, or none (unbounded)",
@@ -184,7 +188,8 @@ class Simulation:
                                     seed=cfg.seed * 1009 + info.device_ids[0], host_time=self.host_time)
         ctl = self._tclass(self._tcfg) if self._tclass is not None else None
         sched = Scheduler(SchedulerConfig(cfg.slots, policy=cfg.policy, tp=info.tp_degree, static_tau=cfg.static_tau,
-                                          max_queue=cfg.max_queue, threshold=self._tcfg), self.latency, ctl)
+                                          max_queue=cfg.max_queue, threshold=self._tcfg,
+                                          **(OVERLOAD_RULES if cfg.overload_rules else {})), self.latency, ctl)
         engine = Engine(runner, sched, clock=clock, name=info.name)
         if hasattr(runner, "queue_depth"):
             runner.queue_depth = lambda: len(sched.waiting)

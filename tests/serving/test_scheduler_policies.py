@@ -320,3 +320,26 @@ def test_at_risk_skip_share_is_checked():
     from dilaserve_jax.serving.policy.scheduler import SchedulerConfig
     with pytest.raises(ValueError, match="at_risk_skip_share"):
         SchedulerConfig(2, at_risk_skip_share=0.0)
+
+
+def test_overload_rules_give_a_lost_requests_slot_to_one_in_time(latency):
+    """Both slots held by running requests past saving: with the overload rules a fresh request
+    that can still make it takes one of their slots (the lost one waits again with its canvas and
+    still finishes); without them it waits for a slot and misses."""
+    from dilaserve_jax.serving.policy.scheduler import OVERLOAD_RULES
+
+    def serve(rules):
+        engine, clock = make_engine(latency, slots=2, **(OVERLOAD_RULES if rules else {}))
+        reqs = [req(f"lost{i}", 0.0, 1e-4, answer=128) for i in range(2)]
+        lost = [engine.submit(r) for r in reqs]
+        for _ in range(2):
+            engine.step_once()  # both are running now
+        assert len(engine.scheduler.running) == 2
+        one = engine.scheduler.request_time(req("probe", 0.0, 1.0, answer=16), 1, 0.5)
+        fresh = engine.submit(req("fresh", clock(), 3 * one, answer=16))
+        engine.run_until_idle()
+        assert all(h.result(0).state == RequestState.FINISHED_OK for h in lost)  # late, not lost
+        return fresh.result(0).deadline_met, sum(r.preemptions for r in reqs)
+
+    assert serve(True) == (True, 1)
+    assert serve(False) == (False, 0)

@@ -61,11 +61,13 @@ def first_at_or_below(taus: Sequence[float], cap: float) -> int:
 
 
 def schedule_pass(cands: list[Candidate], now: float, free: int, cap: float, may_miss: set[str] | None,
-                  dur: Callable[[Candidate, int], float]) -> dict[str, Decision] | None:
+                  dur: Callable[[Candidate, int], float], preemptible: bool = False) -> dict[str, Decision] | None:
     """Each candidate's τ at this cap, in order, each queued one starting when a slot frees
     (`dur(c, i)`: its predicted seconds at its i-th τ, stored in `c.durs`).
     With `may_miss` (the floor's misses) the pass is a test of the cap: None as soon as a
-    request outside it misses, or a queued one cannot run at the cap (its highest τ below it)."""
+    request outside it misses, or a queued one cannot run at the cap (its highest τ below it).
+    `preemptible`: a running request that misses even at τ_min gives its slot up to a queued one
+    in time (the scheduler preempts it), so its slot counts as free now."""
     slots = [now] * free  # times at which slots free up
     heapq.heapify(slots)
     out = {}
@@ -97,7 +99,7 @@ def schedule_pass(cands: list[Candidate], now: float, free: int, cap: float, may
             d = durs[last]
             out[c.req.id] = make_decision((taus[last], True, start + d, start))
             if c.running:
-                push(slots, now + d)
+                push(slots, now if preemptible else now + d)
             elif start != math.inf:
                 push(slots, start)
         else:

@@ -40,7 +40,8 @@ _S = RequestState
 _LEGAL: dict[RequestState, frozenset[RequestState]] = {
     _S.WAITING: frozenset({_S.RUNNING, _S.FINISHED_ABORTED, _S.FINISHED_REJECTED, _S.FINISHED_DEADLINE}),
     # (a WAITING request that moves stays WAITING: it has nothing but its place in a queue)
-    _S.RUNNING: frozenset({_S.MIGRATING, _S.FINISHED_OK, _S.FINISHED_ABORTED, _S.FINISHED_DEADLINE}),
+    # (RUNNING -> WAITING: preempted, its slot given to a request that can still meet its deadline)
+    _S.RUNNING: frozenset({_S.WAITING, _S.MIGRATING, _S.FINISHED_OK, _S.FINISHED_ABORTED, _S.FINISHED_DEADLINE}),
     _S.MIGRATING: frozenset({_S.RUNNING, _S.FINISHED_ABORTED, _S.FINISHED_DEADLINE}),
     _S.FINISHED_OK: frozenset(),
     _S.FINISHED_ABORTED: frozenset(),
@@ -94,6 +95,7 @@ class Request:
     steps: list[StepRecord] = field(default_factory=list)
     answer: list[int | None] = field(default_factory=list)  # committed answer tokens by position
     moves: int = 0  # times it changed instance (migration, failure, reconfiguration)
+    preemptions: int = 0  # times it gave its slot back to a request still in time (dilaserve, at risk)
     evidence: tuple[int, ...] = ()  # first step's masked positions per confidence bin (risk evidence)
     predicted_loss: float = 0.0  # accuracy points its τ trajectory is predicted to have cost
 
@@ -158,6 +160,14 @@ class Request:
             self.needs_refresh = True
         else:
             self.needs_refresh = False
+
+    def preempt(self, now: float) -> None:
+        """Give the slot back at a step boundary and wait again: RUNNING -> WAITING. The committed
+        canvas is kept (it is admitted again with it, like a moved request); its next step is a refresh."""
+        self.transition(RequestState.WAITING, now)
+        self.slot = None
+        self.needs_refresh = True
+        self.preemptions += 1
 
     def detach(self, now: float) -> None:
         """Leave the instance at a step boundary: RUNNING -> MIGRATING (WAITING stays WAITING).

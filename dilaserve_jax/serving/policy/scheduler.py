@@ -30,6 +30,8 @@ It still goes first after max_skip / share rounds, and it runs before then whene
 """
 from __future__ import annotations
 
+import bisect
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -44,6 +46,8 @@ from dilaserve_jax.core.outcome import SlotOutcome
 from dilaserve_jax.core.kinds import StepKind
 
 POLICIES = ("fcfs-static", "edf-static", "dilaserve")
+# the overload rules under trial, all on (SchedulerConfig's fields; off by default)
+OVERLOAD_RULES = dict(preempt_at_risk=True, starved_at_risk_slots=1, rider_cost=0.1, shortest_late_first=True)
 ADMISSION_MODES = ("best-effort", "strict")
 
 
@@ -59,6 +63,12 @@ class SchedulerConfig:
     at_risk_skip_share: float = 0.125  # dilaserve: a skip of a request at risk counts this much (see module doc)
     admission: str = "best-effort"  # or "strict": refuse what cannot meet its deadline (see module doc)
     drop_expired: bool = False  # finish requests past their deadline as FINISHED_DEADLINE
+    # overload rules, off by default (docs/scheduling.md "Overload rules under trial"):
+    preempt_at_risk: bool = False  # dilaserve: a request in time takes the slot of a running one at risk
+    starved_at_risk_slots: int | None = None  # dilaserve: slots at-risk requests may take by starvation
+    rider_cost: float = math.inf  # dilaserve: an at-risk request joins a step with requests in time only
+    #                               if it makes the step at most this much longer
+    shortest_late_first: bool = False  # dilaserve: at-risk requests in order of work left, not slack
     latency_ema: float = 0.2  # online correction of the latency model from measured step times
     # waiting requests priced again per published load when more wait (the rest keep their last
     # price; see `snapshot`), so publishing costs no more at a deep queue than at this one
@@ -104,6 +114,7 @@ class Scheduler:
         self.cfg = config
         self.latency = latency
         self.controller = controller or ThresholdController(config.threshold)
+        self.controller.preempting = config.adaptive and config.preempt_at_risk  # its plan counts on it
         self.requests: dict[str, Request] = {}  # unfinished
         self.waiting: list[Request] = []  # arrival order
         self.running: dict[int, Request] = {}  # slot -> request
@@ -217,11 +228,11 @@ class Scheduler:
             for req in [*self.running.values(), *self.waiting]:
                 if req.deadline < now:
                     self._finish(req, RequestState.FINISHED_DEADLINE, now)
-        releases, self._releases = tuple(self._releases), []
         if self.cfg.adaptive:
             self.decisions = self.controller.plan(list(self.running.values()), self.waiting, now,
                                                   self.cfg.num_slots, self.step_times)
         admits = self._admit(now)
+        releases, self._releases = tuple(self._releases), []  # (with the slots preempted for admits)
         kind, batch, limit = self._pick_batch(now)
         if not (batch or admits or releases):
             return None
@@ -256,6 +267,8 @@ class Scheduler:
 
         def least_slack(r: Request):  # slack left after finishing at the chosen τ
             d = self.decisions.get(r.id)
+            if r.at_risk and d is not None and self.cfg.shortest_late_first:  # late anyway: the shortest first keeps the mean latency low
+                return (not self._starved(r), True, d.predicted_finish - d.predicted_start, r.arrival)
             return (not self._starved(r), r.at_risk, d.slack_if_started(r.deadline, now) if d else r.deadline - now,
                     r.arrival)
         return least_slack
@@ -270,20 +283,26 @@ class Scheduler:
         return all(r.at_risk or self._feasible(r, now, b) for r in members)
 
     def _admit(self, now: float) -> tuple[Admission, ...]:
-        if not self.waiting or not self.free_slots:
+        preempt = self.cfg.adaptive and self.cfg.preempt_at_risk
+        if not self.waiting or not (self.free_slots or preempt):
             return ()
         key = self._order_key(now)
         first, risky = self.waiting, []
         if self.cfg.adaptive:  # the at-risk ones (not starved) come last in the order anyway
-            first = [w for w in self.waiting if not w.at_risk or self._starved(w)]
-            risky = [w for w in self.waiting if w.at_risk and not self._starved(w)]
+            # starvation lets at-risk requests go first into a bounded number of slots only
+            bound = self.cfg.starved_at_risk_slots
+            jump = bound is None or sum(r.at_risk for r in self.running.values()) < bound
+            first = [w for w in self.waiting if not w.at_risk or (jump and self._starved(w))]
+            risky = [w for w in self.waiting if w.at_risk and not (jump and self._starved(w))]
         admits = []
         for w in sorted(first, key=key):
-            if not self.free_slots:
+            if not self.free_slots and not (preempt and not w.at_risk):
                 break
             group = list(self.running.values())
             if self.cfg.adaptive and group and not self._starved(w) and not self._fits(group, w, now, admitting=True):
                 continue
+            if not self.free_slots and not self._preempt_one(now, admits):
+                break
             admits.append(self._start(w, now))
         # an at-risk request joins only where the group has room for one more at-risk request, the
         # same question for each of them: the queue is sorted only when one can be admitted
@@ -299,6 +318,24 @@ class Scheduler:
         for w in self.waiting:  # passed over while a slot was free: counts towards starvation
             w.steps_skipped += self._skip_weight(w)
         return tuple(admits)
+
+    def _preempt_one(self, now: float, admits: list[Admission]) -> bool:
+        """Free a slot for a request in time by sending a running one at risk back to the queue
+        (not a starved one, nor one admitted this round): the one with the most work left, so the
+        lost requests nearest their end still finish first. False when there is none."""
+        new = {a.slot for a in admits}
+        victims = [r for r in self.running.values() if r.at_risk and not self._starved(r) and r.slot not in new]
+        if not victims:
+            return False
+        d = self.decisions
+
+        def work_left(r: Request):
+            return self.request_time(r, 1, d[r.id].tau if r.id in d else r.tau_min), r.arrival
+        victim = max(victims, key=work_left)
+        self._free_slot(victim.slot)
+        victim.preempt(now)
+        bisect.insort(self.waiting, victim, key=lambda r: r.arrival)
+        return True
 
     def _start(self, w: Request, now: float) -> Admission:
         slot = self.free_slots.pop(0)
@@ -326,10 +363,23 @@ class Scheduler:
         for r in order:
             if r.next_kind != kind or len(batch) >= limit:
                 continue
-            if self.cfg.adaptive and batch and not self._starved(r) and not self._fits(batch, r, now):
+            if self.cfg.adaptive and batch and not self._starved(r) and not (
+                    (not r.at_risk or self.cfg.rider_cost == math.inf or self._rides_cheaply(kind, batch, r))
+                    and self._fits(batch, r, now)):
                 continue
             batch.append(r)
         return kind, batch, limit
+
+    def _rides_cheaply(self, kind: StepKind, batch: list[Request], r: Request) -> bool:
+        """Whether at-risk `r` joining makes the step at most `rider_cost` longer (always, when
+        every member is at risk too): a rider that costs more spends the slack of the requests in
+        time, which the next arrivals need."""
+        if all(m.at_risk for m in batch):
+            return True
+        longest = max((*batch, r), key=lambda m: m.canvas_length)
+        canvas, block, tp = longest.canvas_length, longest.block_length, self.cfg.tp
+        return (self.latency.predict(kind, len(batch) + 1, canvas, block, tp)
+                <= self.latency.predict(kind, len(batch), canvas, block, tp) * (1 + self.cfg.rider_cost))
 
     # --- results in ---
     def update(self, plan: StepPlan, outcomes: list[SlotOutcome], now: float) -> list[Request]:

@@ -56,6 +56,7 @@ class ThresholdController:
     ratios: dict[str, float] = field(default_factory=dict)  # per-request speed vs the average
     cap: float = 1.0  # current load-control cap (for reporting)
     mean_refresh_fraction: float = 0.0  # share of remaining steps that are refreshes, active requests
+    preempting: bool = False  # the scheduler preempts running requests at risk for queued ones in time
     budget: QualityBudget | None = None  # from cfg.quality
     _last_tau: dict[str, float] = field(default_factory=dict)
     _floors: dict[str, float] = field(default_factory=dict)  # lowest τ the budget allows, this round
@@ -389,7 +390,7 @@ class ThresholdController:
 
     def _pass(self, cands: list[Candidate], now: float, free: int, cap: float,
               may_miss: set[str] | None = None) -> dict[str, Decision] | None:
-        return schedule_pass(cands, now, free, cap, may_miss, self._dur)
+        return schedule_pass(cands, now, free, cap, may_miss, self._dur, self.preempting)
 
     def _caps(self) -> list[float]:
         """The load caps a plan tries, highest first: the τ grid and 1.0."""
