@@ -24,7 +24,7 @@ def test_legal_lifecycle_records_times_and_progress():
 
 @pytest.mark.parametrize("path", [
     (RequestState.FINISHED_OK,),  # cannot finish without running
-    (RequestState.RUNNING, RequestState.WAITING),
+    (RequestState.RUNNING, RequestState.MIGRATING, RequestState.WAITING),  # moving, it is re-admitted, not queued
     (RequestState.RUNNING, RequestState.FINISHED_OK, RequestState.RUNNING),
     (RequestState.FINISHED_ABORTED, RequestState.FINISHED_OK),
     (RequestState.RUNNING, RequestState.FINISHED_REJECTED),
@@ -35,6 +35,16 @@ def test_illegal_transitions_raise(path):
         r.transition(s, 0.0)
     with pytest.raises(IllegalTransition):
         r.transition(path[-1], 0.0)
+
+
+def test_a_preempted_request_waits_again_with_its_canvas():
+    r = _req()
+    r.transition(RequestState.RUNNING, 0.0)
+    r.slot = 3
+    r.record_step(StepKind.REFRESH, 0.9, 5, False, 0.2, 0.1, positions=(0, 1), tokens=(7, 8))
+    r.preempt(0.3)
+    assert (r.state, r.slot, r.needs_refresh, r.preemptions) == (RequestState.WAITING, None, True, 1)
+    assert r.committed_answer[:2] == (7, 8) and r.start_time == 0.0
 
 
 def test_late_finish_is_a_miss_and_step_when_not_running_raises():
