@@ -62,8 +62,7 @@ class SimConfig:
     max_queue: int = opt(DEFAULT_MAX_QUEUE, "waiting requests per instance before rejection (as serve)")
     overload_rules: bool = opt(False, "dilaserve: the overload rules under trial (preemption of at-risk requests, "
                                       "one slot by starvation, riders at most 10 percent dearer, the shortest late "
-                                      "request first; docs/scheduling.md)",
-                               parse=lambda text: text.lower() in ("1", "true", "yes", "on"))
+                                      "request first; docs/scheduling.md)")
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     max_accuracy_drop: float | None = opt(1.0, "dilaserve: the serving accuracy budget, mean predicted drop vs "
                                                "τ_max in points, or none (unbounded)",

@@ -364,8 +364,7 @@ class Scheduler:
             if r.next_kind != kind or len(batch) >= limit:
                 continue
             if self.cfg.adaptive and batch and not self._starved(r) and not (
-                    (not r.at_risk or self.cfg.rider_cost == math.inf or self._rides_cheaply(kind, batch, r))
-                    and self._fits(batch, r, now)):
+                    (not r.at_risk or self._rides_cheaply(kind, batch, r)) and self._fits(batch, r, now)):
                 continue
             batch.append(r)
         return kind, batch, limit
@@ -374,7 +373,7 @@ class Scheduler:
         """Whether at-risk `r` joining makes the step at most `rider_cost` longer (always, when
         every member is at risk too): a rider that costs more spends the slack of the requests in
         time, which the next arrivals need."""
-        if all(m.at_risk for m in batch):
+        if self.cfg.rider_cost == math.inf or all(m.at_risk for m in batch):
             return True
         longest = max((*batch, r), key=lambda m: m.canvas_length)
         canvas, block, tp = longest.canvas_length, longest.block_length, self.cfg.tp
