@@ -63,6 +63,8 @@ class SimConfig:
     overload_rules: bool = opt(False, "dilaserve: the overload rules under trial (preemption of at-risk requests, "
                                       "one slot by starvation, riders at most 10 percent dearer, the shortest late "
                                       "request first; docs/scheduling.md)")
+    run_ahead: bool = opt(False, "dilaserve, under trial: a request that cannot join the running ones is in time "
+                                 "if it can run first and they all still make it (docs/scheduling.md)")
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     max_accuracy_drop: float | None = opt(1.0, "dilaserve: the serving accuracy budget, mean predicted drop vs "
                                                "τ_max in points, or none (unbounded)",
@@ -188,7 +190,8 @@ class Simulation:
         ctl = self._tclass(self._tcfg) if self._tclass is not None else None
         sched = Scheduler(SchedulerConfig(cfg.slots, policy=cfg.policy, tp=info.tp_degree, static_tau=cfg.static_tau,
                                           max_queue=cfg.max_queue, threshold=self._tcfg,
-                                          **(OVERLOAD_RULES if cfg.overload_rules else {})), self.latency, ctl)
+                                          run_ahead=cfg.run_ahead, **(OVERLOAD_RULES if cfg.overload_rules else {})),
+                          self.latency, ctl)
         engine = Engine(runner, sched, clock=clock, name=info.name)
         if hasattr(runner, "queue_depth"):
             runner.queue_depth = lambda: len(sched.waiting)

@@ -63,12 +63,14 @@ class SchedulerConfig:
     at_risk_skip_share: float = 0.125  # dilaserve: a skip of a request at risk counts this much (see module doc)
     admission: str = "best-effort"  # or "strict": refuse what cannot meet its deadline (see module doc)
     drop_expired: bool = False  # finish requests past their deadline as FINISHED_DEADLINE
-    # overload rules, off by default (docs/scheduling.md "Overload rules under trial"):
+    # rules under trial, off by default (docs/scheduling.md "Overload rules under trial"):
     preempt_at_risk: bool = False  # dilaserve: a request in time takes the slot of a running one at risk
     starved_at_risk_slots: int | None = None  # dilaserve: slots at-risk requests may take by starvation
     rider_cost: float = math.inf  # dilaserve: an at-risk request joins a step with requests in time only
     #                               if it makes the step at most this much longer
     shortest_late_first: bool = False  # dilaserve: at-risk requests in order of work left, not slack
+    run_ahead: bool = False  # dilaserve: a request that cannot join the others fits if it can run first
+    #                          and they all still make it delayed by its time
     latency_ema: float = 0.2  # online correction of the latency model from measured step times
     # waiting requests priced again per published load when more wait (the rest keep their last
     # price; see `snapshot`), so publishing costs no more at a deep queue than at this one
@@ -115,6 +117,7 @@ class Scheduler:
         self.latency = latency
         self.controller = controller or ThresholdController(config.threshold)
         self.controller.preempting = config.adaptive and config.preempt_at_risk  # its plan counts on it
+        self.controller.runs_ahead = config.adaptive and config.run_ahead
         self.requests: dict[str, Request] = {}  # unfinished
         self.waiting: list[Request] = []  # arrival order
         self.running: dict[int, Request] = {}  # slot -> request
@@ -267,8 +270,11 @@ class Scheduler:
 
         def least_slack(r: Request):  # slack left after finishing at the chosen τ
             d = self.decisions.get(r.id)
-            if r.at_risk and d is not None and self.cfg.shortest_late_first:  # late anyway: the shortest first keeps the mean latency low
-                return (not self._starved(r), True, d.predicted_finish - d.predicted_start, r.arrival)
+            if self.cfg.shortest_late_first:
+                if self._starved(r):  # starved ones in arrival order, or a stream of short late ones starves a long one
+                    return (False, False, r.arrival, r.arrival)
+                if r.at_risk and d is not None:  # late anyway: the shortest first keeps the mean latency low
+                    return (True, True, d.predicted_finish - d.predicted_start, r.arrival)
             return (not self._starved(r), r.at_risk, d.slack_if_started(r.deadline, now) if d else r.deadline - now,
                     r.arrival)
         return least_slack
@@ -280,7 +286,17 @@ class Scheduler:
         only when it fits anyway."""
         b = (sum(not r.at_risk for r in group) if admitting else len(group)) + 1
         members = group if cand.at_risk else [*group, cand]
-        return all(r.at_risk or self._feasible(r, now, b) for r in members)
+        if all(r.at_risk or self._feasible(r, now, b) for r in members):
+            return True
+        return admitting and self.cfg.run_ahead and not cand.at_risk and self._runs_ahead(group, cand, now, b - 1)
+
+    def _runs_ahead(self, group: list[Request], cand: Request, now: float, batch: int) -> bool:
+        """Can `cand` run alone first (least slack first puts it there) and every feasible member
+        of group still make it, delayed by its time?"""
+        if not self._feasible(cand, now, 1):
+            return False
+        ahead = now + self.controller.remaining_time(cand, self.controller.lowest_tau(cand), 1, self.step_times)
+        return all(r.at_risk or self._feasible(r, ahead, max(1, batch)) for r in group)
 
     def _admit(self, now: float) -> tuple[Admission, ...]:
         preempt = self.cfg.adaptive and self.cfg.preempt_at_risk

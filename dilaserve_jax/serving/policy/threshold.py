@@ -57,6 +57,7 @@ class ThresholdController:
     cap: float = 1.0  # current load-control cap (for reporting)
     mean_refresh_fraction: float = 0.0  # share of remaining steps that are refreshes, active requests
     preempting: bool = False  # the scheduler preempts running requests at risk for queued ones in time
+    runs_ahead: bool = False  # the scheduler admits a request that fits by running ahead of the others
     budget: QualityBudget | None = None  # from cfg.quality
     _last_tau: dict[str, float] = field(default_factory=dict)
     _floors: dict[str, float] = field(default_factory=dict)  # lowest τ the budget allows, this round
@@ -268,14 +269,21 @@ class ThresholdController:
         # at risk: joining the others (deadline order) would make someone infeasible even at the
         # lowest τ the budget last granted it (τ_min before any grant), starting now; they run on
         # spare capacity only, so the rest are planned without them
+        # (or, with `runs_ahead`, where joining fails: it runs alone first and delays the others by
+        # its own time — least slack first does exactly that — and still everyone makes it)
         risky: set[str] = set()
         members: list[Request] = []
         feasible = self._feasibility(now, step_time)
+        lead = 0.0  # seconds of requests run ahead of the members
         for req, _ in sorted(active, key=lambda a: (not a[1], a[0].deadline, a[0].arrival)):
             n = len(members)  # it joins all of them while there are slots, else it stands alone
-            if feasible(req, n + 1 if n < num_slots else num_slots) and (
-                    n >= num_slots or all(feasible(r, n + 1) for r in members)):
+            if feasible(req, n + 1 if n < num_slots else num_slots, lead) and (
+                    n >= num_slots or all(feasible(r, n + 1, lead) for r in members)):
                 members.append(req)
+            elif self.runs_ahead and 0 < n < num_slots and feasible(req, 1, lead) and all(
+                    feasible(r, n, lead + feasible.alone(req)) for r in members):
+                members.append(req)
+                lead += feasible.alone(req)
             else:
                 risky.add(req.id)
         self._floors = {}
@@ -299,19 +307,11 @@ class ThresholdController:
             req.at_risk = best[req.id].at_risk
         return self._unplanned(beyond, now, best)
 
-    def _feasibility(self, now: float, step_time: StepTime) -> Callable[[Request, int], bool]:
-        """`feasible_at(req, now, batch, step_time)` for one round's plan, each request's steps at its
-        lowest τ worked out once (the same terms and arithmetic as `remaining_time`'s)."""
+    def _feasibility(self, now: float, step_time: StepTime) -> "_Feasibility":
+        """`feasible_at(req, now + lead, batch, step_time)` for one round's plan, each request's steps
+        at its lowest τ worked out once (the same terms and arithmetic as `remaining_time`'s)."""
         self._pricing_with(step_time)
-        safety, share, need = self.cfg.safety, self.mean_refresh_fraction, {}
-
-        def feasible(req: Request, batch: int) -> bool:
-            n = need.get(req.id)
-            if n is None:
-                n = need[req.id] = self.steps_needed(req, self.lowest_tau(req))
-            per_refresh, per_reuse = self._step_costs(req, batch, step_time, (batch - 1) * share)
-            return now + (n[0] * per_refresh + n[1] * per_reuse) * safety <= req.deadline
-        return feasible
+        return _Feasibility(self, now, step_time)
 
     def _find_lost(self, waiting: Sequence[Request], now: float, step_time: StepTime) -> None:
         """Mark the queued requests that miss even started now, alone, at τ_min (they stay so while
@@ -427,3 +427,24 @@ def _ceiling_range(masked: int, x: float) -> tuple[float, float]:
     # rates are clamped to >= 1, so the lowest step (k = masked, at rate 1) reaches down to any rate
     lo = -math.inf if k >= masked else masked / k * (1 + _MARGIN)
     return lo, (math.inf if k <= 1 else masked / (k - 1) * (1 - _MARGIN))
+
+
+class _Feasibility:
+    """One round's feasibility test (see `ThresholdController._feasibility`)."""
+
+    def __init__(self, ctl: ThresholdController, now: float, step_time: StepTime) -> None:
+        self.ctl, self.now, self.step_time = ctl, now, step_time
+        self.safety, self.share, self.need = ctl.cfg.safety, ctl.mean_refresh_fraction, {}
+
+    def seconds(self, req: Request, batch: int) -> float:
+        n = self.need.get(req.id)
+        if n is None:
+            n = self.need[req.id] = self.ctl.steps_needed(req, self.ctl.lowest_tau(req))
+        per_refresh, per_reuse = self.ctl._step_costs(req, batch, self.step_time, (batch - 1) * self.share)
+        return (n[0] * per_refresh + n[1] * per_reuse) * self.safety
+
+    def alone(self, req: Request) -> float:
+        return self.seconds(req, 1)
+
+    def __call__(self, req: Request, batch: int, lead: float = 0.0) -> bool:
+        return self.now + lead + self.seconds(req, batch) <= req.deadline
