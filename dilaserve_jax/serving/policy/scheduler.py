@@ -293,10 +293,8 @@ class Scheduler:
     def _runs_ahead(self, group: list[Request], cand: Request, now: float, batch: int) -> bool:
         """Can `cand` run alone first (least slack first puts it there) and every feasible member
         of group still make it, delayed by its time?"""
-        if not self._feasible(cand, now, 1):
-            return False
         ahead = now + self.controller.remaining_time(cand, self.controller.lowest_tau(cand), 1, self.step_times)
-        return all(r.at_risk or self._feasible(r, ahead, max(1, batch)) for r in group)
+        return ahead <= cand.deadline and all(r.at_risk or self._feasible(r, ahead, batch) for r in group)
 
     def _admit(self, now: float) -> tuple[Admission, ...]:
         preempt = self.cfg.adaptive and self.cfg.preempt_at_risk

@@ -275,15 +275,21 @@ class ThresholdController:
         members: list[Request] = []
         feasible = self._feasibility(now, step_time)
         lead = 0.0  # seconds of requests run ahead of the members
+
+        def ahead_of(members: list[Request], req: Request, lead: float) -> float | None:
+            """Its time alone, if it can run ahead of the members and they all still make it."""
+            if not feasible(req, 1, lead):
+                return None
+            alone = self.remaining_time(req, self.lowest_tau(req), 1, step_time)
+            return alone if all(feasible(r, len(members), lead + alone) for r in members) else None
         for req, _ in sorted(active, key=lambda a: (not a[1], a[0].deadline, a[0].arrival)):
             n = len(members)  # it joins all of them while there are slots, else it stands alone
             if feasible(req, n + 1 if n < num_slots else num_slots, lead) and (
                     n >= num_slots or all(feasible(r, n + 1, lead) for r in members)):
                 members.append(req)
-            elif self.runs_ahead and 0 < n < num_slots and feasible(req, 1, lead) and all(
-                    feasible(r, n, lead + feasible.alone(req)) for r in members):
+            elif self.runs_ahead and 0 < n < num_slots and (alone := ahead_of(members, req, lead)) is not None:
                 members.append(req)
-                lead += feasible.alone(req)
+                lead += alone
             else:
                 risky.add(req.id)
         self._floors = {}
@@ -307,11 +313,19 @@ class ThresholdController:
             req.at_risk = best[req.id].at_risk
         return self._unplanned(beyond, now, best)
 
-    def _feasibility(self, now: float, step_time: StepTime) -> "_Feasibility":
+    def _feasibility(self, now: float, step_time: StepTime) -> Callable[..., bool]:
         """`feasible_at(req, now + lead, batch, step_time)` for one round's plan, each request's steps
         at its lowest τ worked out once (the same terms and arithmetic as `remaining_time`'s)."""
         self._pricing_with(step_time)
-        return _Feasibility(self, now, step_time)
+        safety, share, need = self.cfg.safety, self.mean_refresh_fraction, {}
+
+        def feasible(req: Request, batch: int, lead: float = 0.0) -> bool:
+            n = need.get(req.id)
+            if n is None:
+                n = need[req.id] = self.steps_needed(req, self.lowest_tau(req))
+            per_refresh, per_reuse = self._step_costs(req, batch, step_time, (batch - 1) * share)
+            return now + lead + (n[0] * per_refresh + n[1] * per_reuse) * safety <= req.deadline
+        return feasible
 
     def _find_lost(self, waiting: Sequence[Request], now: float, step_time: StepTime) -> None:
         """Mark the queued requests that miss even started now, alone, at τ_min (they stay so while
@@ -427,24 +441,3 @@ def _ceiling_range(masked: int, x: float) -> tuple[float, float]:
     # rates are clamped to >= 1, so the lowest step (k = masked, at rate 1) reaches down to any rate
     lo = -math.inf if k >= masked else masked / k * (1 + _MARGIN)
     return lo, (math.inf if k <= 1 else masked / (k - 1) * (1 - _MARGIN))
-
-
-class _Feasibility:
-    """One round's feasibility test (see `ThresholdController._feasibility`)."""
-
-    def __init__(self, ctl: ThresholdController, now: float, step_time: StepTime) -> None:
-        self.ctl, self.now, self.step_time = ctl, now, step_time
-        self.safety, self.share, self.need = ctl.cfg.safety, ctl.mean_refresh_fraction, {}
-
-    def seconds(self, req: Request, batch: int) -> float:
-        n = self.need.get(req.id)
-        if n is None:
-            n = self.need[req.id] = self.ctl.steps_needed(req, self.ctl.lowest_tau(req))
-        per_refresh, per_reuse = self.ctl._step_costs(req, batch, self.step_time, (batch - 1) * self.share)
-        return (n[0] * per_refresh + n[1] * per_reuse) * self.safety
-
-    def alone(self, req: Request) -> float:
-        return self.seconds(req, 1)
-
-    def __call__(self, req: Request, batch: int, lead: float = 0.0) -> bool:
-        return self.now + lead + self.seconds(req, batch) <= req.deadline
