@@ -368,3 +368,24 @@ def test_run_ahead_lets_an_urgent_request_go_first_where_joining_would_miss():
 
     assert serve(True) == (True, [True, True])
     assert serve(False) == (False, [True, True])
+
+
+def test_starved_lost_requests_bounded_to_one_slot_leave_the_rest_to_fresh_ones(latency):
+    """Lost requests counted as starved (skips in full here) go first by starvation; with
+    `starved_at_risk_slots=1` into one slot at a time, so the fresh requests that can still make it
+    keep the other slots. Unbounded (the default), the starved backlog takes every slot."""
+    def serve(bound):
+        engine, clock = make_engine(latency, slots=3, max_skip=2, at_risk_skip_share=1.0,
+                                    starved_at_risk_slots=bound)
+        lost = [engine.submit(req(f"lost{i}", 0.0, 1e-4, answer=32)) for i in range(12)]
+        one = engine.scheduler.request_time(req("probe", 0.0, 1.0, answer=32), 1, 0.5)
+        fresh = []
+        for i in range(12):
+            fresh.append(engine.submit(req(f"fresh{i}", clock(), 3 * one, answer=32)))
+            for _ in range(8):
+                engine.step_once()
+        engine.run_until_idle()
+        assert all(h.result(0).state == RequestState.FINISHED_OK for h in lost)  # late, not lost
+        return sum(h.result(0).deadline_met for h in fresh)
+
+    assert serve(None) < serve(1)
