@@ -296,22 +296,28 @@ def test_a_hand_over_in_the_iteration_a_moved_request_arrives_loses_nothing(late
     assert first.result(0).state == RequestState.FINISHED_OK
 
 
+def _fresh_met_behind_a_lost_backlog(engine, clock):
+    """12 requests past saving queued at once, then 12 fresh ones that can make it, one every 8
+    rounds: how many fresh ones meet their deadline (every lost one must still finish, late)."""
+    lost = [engine.submit(req(f"lost{i}", 0.0, 1e-4, answer=32)) for i in range(12)]
+    one = engine.scheduler.request_time(req("probe", 0.0, 1.0, answer=32), 1, 0.5)
+    fresh = []
+    for i in range(12):
+        fresh.append(engine.submit(req(f"fresh{i}", clock(), 3 * one, answer=32)))
+        for _ in range(8):
+            engine.step_once()
+    engine.run_until_idle()
+    assert all(h.result(0).state == RequestState.FINISHED_OK for h in lost)  # late, not lost
+    return sum(h.result(0).deadline_met for h in fresh)
+
+
 def test_a_backlog_of_lost_requests_does_not_go_first_again(latency):
     """A burst leaves requests past saving in the queue; fresh requests that can still make it go
     first. Counted in full, the lost ones' skips would make them all "starved" within max_skip
     rounds, and serving them first again (FIFO) would lose the fresh ones too."""
     def serve(share):
         engine, clock = make_engine(latency, slots=2, max_skip=8, at_risk_skip_share=share)
-        lost = [engine.submit(req(f"lost{i}", 0.0, 1e-4, answer=32)) for i in range(12)]
-        one = engine.scheduler.request_time(req("probe", 0.0, 1.0, answer=32), 1, 0.5)
-        fresh = []
-        for i in range(12):
-            fresh.append(engine.submit(req(f"fresh{i}", clock(), 3 * one, answer=32)))
-            for _ in range(8):
-                engine.step_once()
-        engine.run_until_idle()
-        assert all(h.result(0).state == RequestState.FINISHED_OK for h in lost)  # late, not lost
-        return sum(h.result(0).deadline_met for h in fresh)
+        return _fresh_met_behind_a_lost_backlog(engine, clock)
 
     assert serve(1.0) < serve(0.125) == 12
 
@@ -377,15 +383,6 @@ def test_starved_lost_requests_bounded_to_one_slot_leave_the_rest_to_fresh_ones(
     def serve(bound):
         engine, clock = make_engine(latency, slots=3, max_skip=2, at_risk_skip_share=1.0,
                                     starved_at_risk_slots=bound)
-        lost = [engine.submit(req(f"lost{i}", 0.0, 1e-4, answer=32)) for i in range(12)]
-        one = engine.scheduler.request_time(req("probe", 0.0, 1.0, answer=32), 1, 0.5)
-        fresh = []
-        for i in range(12):
-            fresh.append(engine.submit(req(f"fresh{i}", clock(), 3 * one, answer=32)))
-            for _ in range(8):
-                engine.step_once()
-        engine.run_until_idle()
-        assert all(h.result(0).state == RequestState.FINISHED_OK for h in lost)  # late, not lost
-        return sum(h.result(0).deadline_met for h in fresh)
+        return _fresh_met_behind_a_lost_backlog(engine, clock)
 
     assert serve(None) < serve(1)
