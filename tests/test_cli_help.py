@@ -6,7 +6,7 @@ import pytest
 COMMANDS = ("serve", "generate", "client", "tasks.train", "tasks.eval", "sim.__main__", "sim.evaluate",
             *(f"bench.{b}" for b in ("attention", "decode", "overlap", "profile", "push", "reconfigure", "reshard",
                                      "serving", "soak", "policies", "sim_validate", "trace_diff",
-                                     "host_time", "hosts_controller")))
+                                     "host_time", "hosts_controller", "compile_cache")))
 CACHE_FLAG = ("serve", "tasks.eval", "bench.profile", "bench.reconfigure")
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 def reference_attention(q, k, v, valid_len):
@@ -10,17 +11,20 @@ def reference_attention(q, k, v, valid_len):
 
     q: [B, Q, H, D]; k, v: [B, L, KVH, D] with H % KVH == 0; valid_len: [B] int.
     Keys at positions >= valid_len[b] are ignored. Scores and softmax run in float32;
-    the result has q's dtype. Scale is 1/sqrt(D).
+    the result has q's dtype. Scale is 1/sqrt(D). float32 inputs get exact float32 products, as in
+    the Pallas kernel: GPU XLA would otherwise multiply them in TF32 (10-bit mantissas).
     """
     b, nq, h, d = q.shape
     kvh = k.shape[2]
     g = h // kvh
     qg = q.reshape(b, nq, kvh, g, d).astype(jnp.float32)
-    scores = jnp.einsum("bqkgd,blkd->bkgql", qg, k.astype(jnp.float32)) / jnp.sqrt(jnp.float32(d))
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    scores = jnp.einsum("bqkgd,blkd->bkgql", qg, k.astype(jnp.float32),
+                        precision=precision) / jnp.sqrt(jnp.float32(d))
     key_ok = jnp.arange(k.shape[1])[None, :] < valid_len[:, None]  # [B, L]
     scores = jnp.where(key_ok[:, None, None, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     # A row with no valid key (unused slot, valid_len 0) gives NaN from softmax; make it zero.
     probs = jnp.where(key_ok[:, None, None, None, :], probs, 0.0)
-    out = jnp.einsum("bkgql,blkd->bqkgd", probs, v.astype(jnp.float32))
+    out = jnp.einsum("bkgql,blkd->bqkgd", probs, v.astype(jnp.float32), precision=precision)
     return out.reshape(b, nq, h, d).astype(q.dtype)
