@@ -209,3 +209,13 @@ def test_compiled_triton_kernel_matches_reference(case, dtype):
 def test_compiled_mosaic_kernel_matches_reference(case, dtype):
     check_against_reference(dataclasses.replace(case, lowering="mosaic"), dtype, interpret=False,
                             debug_poison_output=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_reference_multiplies_float32_at_full_precision(dtype):
+    # GPU XLA runs default-precision float32 products in TF32; the reference, like the kernel, asks
+    # for exact ones (bf16 inputs keep the default, which is exact for them).
+    case = Case(batch=1, n_q=4, n_keys=8, kv_heads=1, group=2, head_dim=8, valid_len=(8,), block_q=None,
+                block_k=None, lowering="triton")
+    text = jax.jit(reference_attention).lower(*make_inputs(case, dtype)).as_text()
+    assert text.count("HIGHEST") == (4 if dtype == jnp.float32 else 0)  # two products, two operands each
