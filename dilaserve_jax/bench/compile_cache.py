@@ -14,7 +14,6 @@ layers are unrolled in the program, so compile and load grow with N).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -58,7 +57,7 @@ def one_pass(cfg: CompileCacheConfig) -> dict:
         m = load_model(cfg.model)
         mc, graphdef, params = m.config, m.graphdef, m.params
     else:
-        mc = dataclasses.replace(preset(cfg.model), n_layers=cfg.layers)
+        mc = preset(cfg.model).replace(n_layers=cfg.layers)
         graphdef, params = nnx.split(init_model(mc, seed=0))
     params = jax.block_until_ready(jax.device_put(params, jax.devices()[0]))
     model_s = time.perf_counter() - t0
@@ -72,12 +71,16 @@ def one_pass(cfg: CompileCacheConfig) -> dict:
             "model_s": round(model_s, 3), "build_s": round(dec.warm_up_seconds, 3)}
 
 
+def _files_in(directory: str) -> int:
+    return sum(len(files) for _, _, files in os.walk(directory))
+
+
 def run_passes(cfg: CompileCacheConfig, argv: list[str]) -> list[dict]:
     """`cfg.passes` fresh processes in turn on one cache directory; each pass's row, with its wall time."""
     cache = cfg.cache_dir or tempfile.mkdtemp(prefix="dilaserve-compile-cache-")
     rows = []
     for i in range(cfg.passes):
-        before = sum(len(files) for _, _, files in os.walk(cache))
+        before = _files_in(cache)
         t0 = time.perf_counter()
         out = subprocess.run([sys.executable, "-m", "dilaserve_jax.bench.compile_cache", *argv, "--one-pass",
                               "--cache-dir", cache], capture_output=True, text=True)
@@ -85,7 +88,7 @@ def run_passes(cfg: CompileCacheConfig, argv: list[str]) -> list[dict]:
             raise RuntimeError(f"pass {i + 1} failed (exit {out.returncode}):\n{out.stderr[-2000:]}")
         row = json.loads(out.stdout.strip().splitlines()[-1])
         row |= {"pass": i + 1, "process_s": round(time.perf_counter() - t0, 3),
-                "cache_files_before": before, "cache_files_after": sum(len(f) for _, _, f in os.walk(cache))}
+                "cache_files_before": before, "cache_files_after": _files_in(cache)}
         rows.append(row)
         print(f"pass {i + 1}/{cfg.passes}: {row['executables']} executables in {row['build_s']:.2f} s",
               file=sys.stderr, flush=True)
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         enable_compile_cache(cfg.cache_dir)
         print(json.dumps(one_pass(cfg)), flush=True)
         return 0
-    rows = run_passes(cfg, [a for a in argv if a != "--json"])
+    rows = run_passes(cfg, argv)  # a pass prints its JSON line whatever --json says
     if cfg.json:
         print(json.dumps(rows, indent=1))
         return 0

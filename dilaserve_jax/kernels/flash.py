@@ -32,6 +32,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from dilaserve_jax.kernels.reference import products_precision
+
 LOWERINGS = ("triton", "mosaic")
 
 # Finite "minus infinity": exp(MASK - m) underflows to 0 and MASK - MASK stays 0, never NaN.
@@ -232,8 +234,7 @@ def flash_attention(
         scale=1.0 / math.sqrt(head_dim),
         block_k=tiles.block_k,
         valid_from_smem=lowering == "mosaic",
-        # float32 inputs: exact f32 products (no TF32 on GPU) so the kernel matches the reference.
-        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
+        precision=products_precision(q.dtype),  # the reference's: exact f32 products (no TF32 on GPU)
     )
     itemsize = q.dtype.itemsize
     cost = pl.CostEstimate(
