@@ -23,3 +23,52 @@ def test_soak_loses_nothing(tmp_path):
     assert report["completed"] + report["rejected_by_design"] + report["cancelled"] == 60
     assert report["completed"] > 30 and report["reloads"] == 1
     assert list(report["failures"]) == ["tp1@0"]
+
+
+def test_phases_parse_and_draw_poisson_arrivals_per_phase():
+    import argparse
+
+    from dilaserve_jax.bench.soak import parse_phases, poisson_arrivals
+
+    phases = parse_phases("2:60, 30:60")
+    assert phases == ((2.0, 60.0), (30.0, 60.0))
+    for bad in ("", "2", "2:0", "-1:5", "a:b"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_phases(bad)
+    times = poisson_arrivals(phases, seed=0)
+    assert times == sorted(times) and times == poisson_arrivals(phases, seed=0)
+    low = sum(t < 60 for t in times)
+    high = len(times) - low
+    assert 80 <= low <= 170 and 1500 <= high <= 2100  # 120 and 1800 expected
+    assert max(times) < 120
+
+
+def test_the_switching_pattern_makes_the_controller_switch_three_times():
+    """The documented `--phases 2:60,30:60,2:60,30:60 --profile synthetic-tp --slo-ms 2000` soak,
+    priced by the controller the server runs (default config, the tiny model's TP degrees, 8 slots)
+    on the soak's request shape: it must give the live controller at least three switches to make."""
+    from dilaserve_jax.bench.soak import parse_phases, poisson_arrivals, synthetic_tp_profile
+    from dilaserve_jax.core.layouts import layout_text, parse_layout
+    from dilaserve_jax.serving.policy.capacity import RequestShape
+    from dilaserve_jax.serving.policy.controller import ClusterController, ControllerConfig
+    from dilaserve_jax.serving.policy.latency import LatencyModel
+
+    latency = LatencyModel.from_profile(synthetic_tp_profile())
+    ctl = ClusterController(ControllerConfig(), num_devices=8, tp_degrees=(1, 2, 4, 8), latency=latency, slots=8,
+                            param_bytes=10**7)
+    shape = RequestShape(12, 12, 12, 2.0, 0.9, 1.0)
+    arrivals = iter(poisson_arrivals(parse_phases("2:60,30:60,2:60,30:60"), seed=0))
+    layout, seen, now, nxt = (4, 4), ["2x4"], 0.0, next(arrivals)
+    while now < 240.0:
+        while nxt is not None and nxt <= now:
+            ctl.observe(shape, nxt)
+            nxt = next(arrivals, None)
+        d = ctl.decide(now, layout)
+        if d.switch:
+            layout = parse_layout(d.chosen)
+            ctl.switched(now)
+            seen.append(layout_text(layout))
+        now += ctl.cfg.interval_s
+    assert len(seen) >= 4, seen
+    widths = [len(parse_layout(s)) for s in seen]
+    assert all((a - b) * (b - c) < 0 for a, b, c in zip(widths, widths[1:], widths[2:])), seen  # back and forth

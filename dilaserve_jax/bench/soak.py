@@ -7,6 +7,12 @@ reloads the weights through `ReloadWeights` and makes one instance's runner rais
 fault), so that instance fails and its requests move to the survivors. It prints how every call
 ended; "lost" counts calls that ended in any way the server does not answer by design (INTERNAL,
 UNKNOWN, UNAVAILABLE, a hang) and must be 0.
+
+`--phases 2:60,30:60,...` replaces the closed loop with open-loop Poisson arrivals whose rate changes
+from phase to phase, so that a live controller (`--controller auto`) has loads to follow; the report
+then lists the layout switches it made. With `--profile synthetic-tp` the controller prices layouts
+with a synthetic multi-TP profile (see `synthetic_tp_profile`): on 8 fake CPU devices that share the
+machine's cores a wider instance is never faster, so a measured profile gives it nothing to switch for.
 """
 from __future__ import annotations
 
@@ -40,6 +46,56 @@ BAD_REQUESTS = (  # (what, GenerateRequest fields): each must come back INVALID_
     ("reserved token id", {"token_ids": [2, 65]}),
 )
 BY_DESIGN = {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "CANCELLED"}
+SYNTHETIC_TP = "synthetic-tp"
+# The synthetic profile's steps are this many times the fake runner's default step time, which puts
+# the load where narrow layouts start to win (about 20 req/s of 12-token answers at a 2 s SLO)
+# within what the tiny model serves on two CPU cores.
+SYNTHETIC_TP_SCALE = 100.0
+
+
+def parse_phases(text: str) -> tuple[tuple[float, float], ...]:
+    """"2:60,30:60" -> ((2.0, 60.0), (30.0, 60.0)): (arrivals per second, seconds) per phase."""
+    out = []
+    for word in (w.strip() for w in text.split(",") if w.strip()):
+        try:
+            rate, seconds = (float(x) for x in word.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"phase {word!r} is not RATE:SECONDS") from None
+        if not (rate > 0 and seconds > 0):
+            raise argparse.ArgumentTypeError(f"phase {word!r}: rate and seconds must be positive")
+        out.append((rate, seconds))
+    if not out:
+        raise argparse.ArgumentTypeError("--phases needs at least one RATE:SECONDS")
+    return tuple(out)
+
+
+def poisson_arrivals(phases, seed: int) -> list[float]:
+    """Arrival times (s from the start) of a Poisson process whose rate is constant within each phase."""
+    rng, out, start = random.Random(seed), [], 0.0
+    for rate, seconds in phases:
+        t = start + rng.expovariate(rate)
+        while t < start + seconds:
+            out.append(t)
+            t += rng.expovariate(rate)
+        start += seconds
+    return out
+
+
+def synthetic_tp_profile(scale: float = SYNTHETIC_TP_SCALE, tps=(1, 2, 4, 8)):
+    """The fake runner's multi-TP profile (`fake_runner.tp_step_time`: a TP-t step is the parallel
+    part of a TP-1 step divided by t, a serial share that is not, plus an all-reduce), every step
+    `scale` times longer. Wide instances finish one request sooner, many narrow ones serve more in
+    all, as on a GPU. Labelled synthetic; it only steers the controller and the schedulers' plans."""
+    from dilaserve_jax.core.kinds import StepKind
+    from dilaserve_jax.serving.cluster.fake_runner import default_step_time, fake_tp_profile
+    from dilaserve_jax.serving.policy.latency import Profile
+
+    def base(kind: StepKind, batch: int, canvas: int, block: int) -> float:
+        return scale * default_step_time(kind, batch, canvas, block)
+
+    p = fake_tp_profile(tps, base=base)
+    return Profile(f"synthetic multi-TP profile, fake runner steps x{scale:g} (not measured)", True, "synthetic",
+                   "synthetic", p.points)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +109,13 @@ class SoakConfig:
     slo_ms: float = opt(60_000.0, "slo_ms of every call")
     controller: str = opt("manual", "cluster controller of the server (manual: the soak is about faults)",
                           choices=MODES)
-    profile: str | None = opt(None, "step-latency profile JSON", default_text="measured at start-up, as serve does")
+    profile: str | None = opt(None, f"step-latency profile JSON, or '{SYNTHETIC_TP}': a synthetic multi-TP profile "
+                                    "in which wide instances are faster per request and narrow ones serve more in all "
+                                    "(what a GPU shows and fake CPU devices cannot), so a live controller has reason "
+                                    "to switch", default_text="measured at start-up, as serve does")
+    phases: tuple[tuple[float, float], ...] | None = opt(
+        None, "open-loop Poisson arrivals, RATE:SECONDS per phase, e.g. 2:60,30:60,2:60,30:60 (replaces "
+              "--requests and --concurrency)", parse=parse_phases, metavar="RATE:SECONDS,...", default_text="closed loop")
     fault: bool = opt(True, "inject the instance failure midway")
     reload: bool = opt(True, "reload the weights midway")
     seed: int = opt(0, "prompt, cancellation and malformation seed")
@@ -114,24 +176,36 @@ async def _soak(args) -> int:
     model = load_model("tiny")
     save_model_config(root / "tiny-copy", model.config)
     save_params(root / "tiny-copy", 1, model.params)
-    serve_config = ServeConfig(mesh=args.mesh, slots=args.slots, profile=args.profile, controller=args.controller)
+    profile = args.profile
+    if profile == SYNTHETIC_TP:
+        profile = str(root / "synthetic-tp-profile.json")
+        synthetic_tp_profile().save(profile)
+    serve_config = ServeConfig(mesh=args.mesh, slots=args.slots, profile=profile, controller=args.controller)
     hosts = _RayWorkers(args, serve_config) if args.ray_workers else None
     cluster = hosts.cluster if hosts is not None else build_cluster(serve_config, log.info)
     server = await start_server(cluster, ServerOptions(port=0, metrics_port=None, weights_roots=(str(root),)))
     cluster.start()
     await asyncio.to_thread(cluster.warm_up)
     await server.set_serving(True)
-    log.info(f"soak: {args.requests} calls, {args.concurrency} at a time, against {cluster.layout} on port {server.port}")
+    arrivals = poisson_arrivals(args.phases, args.seed) if args.phases else None
+    calls = len(arrivals) if arrivals is not None else args.requests
+    if arrivals is not None:
+        phases = ", ".join(f"{r:g}/s for {t:g} s" for r, t in args.phases)
+        log.info(f"soak: {calls} calls arriving at {phases}, against {cluster.layout} on port {server.port}")
+    else:
+        log.info(f"soak: {calls} calls, {args.concurrency} at a time, against {cluster.layout} on port {server.port}")
 
     rng = random.Random(args.seed)
     prompts = _prompts(args.seed)
     outcomes: Counter = Counter()
     latencies: list[float] = []
+    met = [0]  # completed calls that met their deadline
     events: list[str] = []
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     stub = pb_grpc.DiLaServeStub(channel)
-    sem = asyncio.Semaphore(args.concurrency)
-    bar = tqdm(total=args.requests, desc="soak", unit="call", file=sys.stderr)
+    sem = asyncio.Semaphore(args.concurrency if arrivals is None else calls)  # open loop: no bound
+    bar = tqdm(total=calls, desc="soak", unit="call", file=sys.stderr)
+    t0 = time.perf_counter()
 
     async def one(i: int) -> None:
         kind = rng.random()
@@ -149,8 +223,10 @@ async def _soak(args) -> int:
                                      tau_min=0.9, tau_max=1.0)
             expected = None
         cancel_after = rng.uniform(0.0, 0.2) if expected is None and kind > 1 - args.cancel_rate else None
+        if arrivals is not None:
+            await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
         async with sem:
-            t0 = time.perf_counter()
+            sent = time.perf_counter()
             call = stub.Generate(req, timeout=600)
             try:
                 if cancel_after is not None:
@@ -159,7 +235,8 @@ async def _soak(args) -> int:
                         call.cancel()
                 reply = await call
                 outcomes["OK"] += 1
-                latencies.append(time.perf_counter() - t0)
+                latencies.append(time.perf_counter() - sent)
+                met[0] += reply.deadline_met
                 assert reply.text is not None
             except asyncio.CancelledError:
                 outcomes["CANCELLED"] += 1
@@ -171,7 +248,7 @@ async def _soak(args) -> int:
         bar.update(1)
 
     async def faults() -> None:
-        while bar.n < args.requests // 2:
+        while bar.n < calls // 2:
             await asyncio.sleep(0.05)
         if hosts is not None:
             events.append(f"SIGKILLed the worker of host {hosts.kill_last()} at call {bar.n}")
@@ -184,19 +261,32 @@ async def _soak(args) -> int:
             victim = cluster.engines[0]
             real_step = victim.runner.step
 
-            def faulty(kind, slots, taus):
+            def faulty(*args, **kwargs):
                 victim.runner.step = real_step
                 raise RuntimeError("injected device fault")
             victim.runner.step = faulty
             events.append(f"injected a fault into {victim.name} at call {bar.n}")
 
-    t0 = time.perf_counter()
+    switches: list[str] = []
+
+    async def watch_layout() -> None:
+        """Every layout the cluster takes, with when (a switch takes seconds; 0.2 s polls see each)."""
+        last = cluster.layout
+        while True:
+            await asyncio.sleep(0.2)
+            now = cluster.layout
+            if now != last:
+                switches.append(f"{last} -> {now} at {time.perf_counter() - t0:.0f} s")
+                last = now
+
     fault_task = asyncio.ensure_future(faults())
-    await asyncio.gather(*(one(i) for i in range(args.requests)))
+    watch_task = asyncio.ensure_future(watch_layout())
+    await asyncio.gather(*(one(i) for i in range(calls)))
     wall = time.perf_counter() - t0
     bar.close()
-    if not fault_task.done():
-        fault_task.cancel()
+    for task in (fault_task, watch_task):
+        if not task.done():
+            task.cancel()
     state = cluster.state()
     await channel.close()
     await server.drain_and_stop(5.0)
@@ -208,19 +298,23 @@ async def _soak(args) -> int:
     lost = sum(n for code, n in outcomes.items() if code not in BY_DESIGN and code != "OK")
     lat = sorted(latencies)
     report = {
-        "calls": args.requests, "completed": outcomes["OK"],
+        "calls": calls, "completed": outcomes["OK"],
         "rejected_by_design": outcomes["INVALID_ARGUMENT"] + outcomes["RESOURCE_EXHAUSTED"],
         "cancelled": outcomes["CANCELLED"], "lost": lost, "outcomes": dict(outcomes),
-        "p50_latency_s": statistics.median(lat) if lat else None,
+        "met_deadline": met[0], "p50_latency_s": statistics.median(lat) if lat else None,
         "p99_latency_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None,
         "wall_s": wall, "events": events, "failures": dict(state.failures), "migrations": dict(state.migrations),
-        "reloads": state.reloads, "layout": state.layout,
+        "reloads": state.reloads, "layout": state.layout, "layout_switches": switches,
     }
     if args.json:
         print(json.dumps(report))
     else:
         for e in events:
             print(e)
+        if arrivals is not None:
+            print(f"deadline met by {met[0]} of {outcomes['OK']} completed calls ({args.slo_ms:g} ms each)")
+        if args.controller != "manual" or switches:
+            print(f"layout switches: {len(switches)}" + (f" ({'; '.join(switches)})" if switches else ""))
         print(f"calls {report['calls']}, completed {report['completed']}, rejected by design "
               f"{report['rejected_by_design']}, cancelled {report['cancelled']}, lost {lost}; latency p50 "
               f"{_ms(report['p50_latency_s'])}, p99 {_ms(report['p99_latency_s'])}; {wall:.0f} s "

@@ -3,7 +3,9 @@
 The cluster owns the table of requests in flight (serving/cluster/request_table.py; ids are
 unique across instances) and moves requests between engines: when an instance fails, the
 requests it held — running and waiting — are re-queued on the survivors from their last
-committed canvas (their next step is a refresh); only when no instance survives do they fail,
+committed canvas (their next step is a refresh), and the failed instance is rebuilt on its own
+devices when the builder can do that (serving/cluster/recovery.py; meanwhile, with no instance
+left, requests are held); only when no instance survives, and none is being rebuilt, do they fail,
 with `NoInstanceAvailable` naming the faults. A watchdog thread fails an instance whose runner
 call outlives `step_timeout_s`.
 
@@ -29,6 +31,7 @@ from dilaserve_jax.serving.cluster.builder import InstanceBuilder, InstanceInfo
 from dilaserve_jax.serving.cluster.engine import Engine
 from dilaserve_jax.serving.cluster.engine_types import EngineUnavailable, Handoff, ProgressFn, RequestHandle
 from dilaserve_jax.serving.cluster.protocol import ArrivalObserver
+from dilaserve_jax.serving.cluster.recovery import Recovery
 from dilaserve_jax.serving.cluster.request_table import DuplicateRequest, RequestTable
 from dilaserve_jax.serving.cluster.reshape import ReshapeReport, migrate as move_request, reconfigure as reshape
 from dilaserve_jax.serving.cluster.state import NO_CONTROLLER, CheckpointWatchState, ClusterState, InstanceState
@@ -85,6 +88,7 @@ class Cluster:
         self.reloads = 0
         self.weight_updates: dict[str, int] = {}  # origin ("reload", "push", "watch") -> swaps
         self.ready = False
+        self.recovery = Recovery(self)  # rebuilds a failed instance when the builder can (`enabled` to turn off)
         for e in self.engines:
             e.on_failure = self._on_failure
 
@@ -120,12 +124,14 @@ class Cluster:
         if wait_background:
             for t in self.background:
                 t.join()
+        self.recovery.join(timeout)  # a rebuild under way finishes its switch (it starts no new one)
         errors = []
         for e in [*self.engines, *self.retiring.values()]:
             try:
                 e.stop(timeout)
             except TimeoutError as err:
                 errors.append(err)
+        self.release_held()  # nothing will take them now: they fail instead of waiting forever
         if self._watchdog is not None:
             self._watchdog.join(timeout)
             self._watchdog = None
@@ -216,7 +222,22 @@ class Cluster:
         log.error("instance %s failed (%s); re-queueing %d request(s) on the survivors", engine.name, fault,
                   len(handoffs))
         self._emit("failure", {"instance": engine.name, "error": fault})
+        rebuild = self.recovery.wanted(engine.name)
+        hold = rebuild and not self.healthy_engines
+        if hold:  # the rebuilt instance will take them
+            self.hold_arrivals()
         self.requeue(handoffs, "failure", exclude=frozenset({engine.name}))
+        if rebuild:
+            self.recovery.start(engine.name, hold)
+
+    def hold_arrivals(self) -> None:
+        """Hold requests no instance can take (instead of failing them) until `release_held`."""
+        self._requests.holding = True
+
+    def release_held(self) -> None:
+        """Stop holding; place what was held (with no instance up, each fails naming the faults)."""
+        self._requests.holding = False
+        self._requests.place_held()
 
     def _watch(self) -> None:
         limit = self.step_timeout_s

@@ -72,6 +72,9 @@ class ServeConfig:
     step_timeout_s: float | None = opt(defaults.DEFAULT_STEP_TIMEOUT_S,  # None disables
                                        "watchdog: an instance whose step runs longer than this is failed and its "
                                        "requests move to the others (0 disables)", parse=or_none(float, "0"))
+    rebuild_failed: bool = opt(True, "rebuild a failed instance on its own devices from the weights left there "
+                                     "(at most 3 times per instance in 10 minutes); with no instance left, requests "
+                                     "wait for it instead of failing")
     controller: str = opt("auto", "cluster controller: auto reshapes the layout and migrates requests as load "
                                   "changes; paused starts it paused (Reconfigure allowed); manual runs none",
                           choices=MODES)  # see serving/cluster/autoscale.py
@@ -220,6 +223,7 @@ def build_cluster(cfg: ServeConfig, say: Callable[[str], None] = print, *, layou
     cluster = Cluster(engines, infos, layout=str(layout.spec), policy=cfg.policy, model_source=model.source,
                       tokenizer=model.tokenizer, limits=limits, loader=builder.load, warmup_fn=warm_up,
                       step_timeout_s=cfg.step_timeout_s, family=model.config.family, builder=builder)
+    cluster.recovery.enabled = cfg.rebuild_failed
     cluster.autoscaler = Autoscaler(cluster, None, mode=cfg.controller)  # its controller comes after warm-up
     return cluster
 

@@ -52,6 +52,12 @@ def instance_info(inst: Instance) -> InstanceInfo:
 class JaxInstanceBuilder:
     """Owns the per-instance weights of the current layout and builds engines for new instances."""
 
+    @property
+    def rebuilds_in_place(self) -> bool:
+        """A failed instance can be rebuilt from the weights left on its devices (serving/cluster/
+        recovery.py): within one process, where this builder reshapes (`plan`)."""
+        return jax.process_count() == 1
+
     def __init__(self, cfg, model, layout: Layout, lengths: tuple[int, ...], threshold, *,
                  latency: dict[int, LatencyModel], placeholder: LatencyModel, say: Callable[[str], None] = print,
                  load_fn: Callable | None = None) -> None:
