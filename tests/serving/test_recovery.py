@@ -127,3 +127,18 @@ def test_with_rebuilds_off_the_failed_instance_stays_failed(tp_latency):
         assert cluster.builder.builds == []
     finally:
         cluster.stop()
+
+
+def test_an_instance_failed_by_the_watchdog_is_not_rebuilt(tp_latency):
+    from dilaserve_jax.serving.cluster.engine_types import HungStep
+
+    cluster = rebuilding_cluster(tp_latency, "2x4")
+    try:
+        requests = _requests(8, "a", answer=32)
+        handles = [cluster.submit(r) for r in requests]
+        cluster.engine("tp4@0-3").fail(HungStep("a runner call has run 130 s (injected)"))
+        _finish_all(requests, handles)
+        cluster.recovery.join(30)
+        assert cluster.builder.builds == [] and [e.name for e in cluster.healthy_engines] == ["tp4@4-7"]
+    finally:
+        cluster.stop()

@@ -29,7 +29,7 @@ from dilaserve_jax.serving.cluster.admin import ClusterAdmin, ClusterBusy
 from dilaserve_jax.serving.cluster.autoscale import Autoscaler
 from dilaserve_jax.serving.cluster.builder import InstanceBuilder, InstanceInfo
 from dilaserve_jax.serving.cluster.engine import Engine
-from dilaserve_jax.serving.cluster.engine_types import EngineUnavailable, Handoff, ProgressFn, RequestHandle
+from dilaserve_jax.serving.cluster.engine_types import EngineUnavailable, Handoff, HungStep, ProgressFn, RequestHandle
 from dilaserve_jax.serving.cluster.protocol import ArrivalObserver
 from dilaserve_jax.serving.cluster.recovery import Recovery
 from dilaserve_jax.serving.cluster.request_table import DuplicateRequest, RequestTable
@@ -222,7 +222,8 @@ class Cluster:
         log.error("instance %s failed (%s); re-queueing %d request(s) on the survivors", engine.name, fault,
                   len(handoffs))
         self._emit("failure", {"instance": engine.name, "error": fault})
-        rebuild = self.recovery.wanted(engine.name)
+        # a hung device call still holds the devices: no rebuild on them
+        rebuild = not isinstance(error, HungStep) and self.recovery.wanted(engine.name)
         hold = rebuild and not self.healthy_engines
         if hold:  # the rebuilt instance will take them
             self.hold_arrivals()

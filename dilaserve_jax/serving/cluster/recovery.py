@@ -1,6 +1,6 @@
 """Rebuilding a failed instance on its own devices, so a fault costs a pause, not the capacity.
 
-When an instance fails (its runner raised, or the watchdog failed a hung step), the cluster moves
+When an instance fails (its runner raised, its loop died), the cluster moves
 its requests to the survivors (serving/cluster/cluster.py). Without more, the instance's devices
 then stay idle until the next layout switch; and when it was the only instance, every request in
 flight and every new one would fail. With recovery on, the cluster instead reshapes into the
@@ -12,7 +12,8 @@ places them once the rebuilt instance serves.
 Limits, so that a fault that comes back does not rebuild forever: at most `max_rebuilds` rebuilds
 of one instance within `window_s`; after that it stays failed. A rebuild that itself fails (the
 devices lost their memory, the builder cannot build) releases the held requests, which then fail
-as they would without recovery, naming the fault. Only builders that say they can rebuild in place
+as they would without recovery, naming the fault. An instance the watchdog failed is not
+rebuilt: its hung device call still holds the devices. Only builders that say they can rebuild in place
 (`rebuilds_in_place`) are asked; a builder over several hosts cannot (a killed host holds nothing).
 """
 from __future__ import annotations
