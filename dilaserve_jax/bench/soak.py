@@ -8,7 +8,7 @@ fault), so that instance fails and its requests move to the survivors. It prints
 ended; "lost" counts calls that ended in any way the server does not answer by design (INTERNAL,
 UNKNOWN, UNAVAILABLE, a hang) and must be 0.
 
-`--phases 2:60,30:60,...` replaces the closed loop with open-loop Poisson arrivals whose rate changes
+`--phases 1:60,10:60,...` replaces the closed loop with open-loop Poisson arrivals whose rate changes
 from phase to phase, so that a live controller (`--controller auto`) has loads to follow; the report
 then lists the layout switches it made. With `--profile synthetic-tp` the controller prices layouts
 with a synthetic multi-TP profile (see `synthetic_tp_profile`): on 8 fake CPU devices that share the
@@ -48,9 +48,9 @@ BAD_REQUESTS = (  # (what, GenerateRequest fields): each must come back INVALID_
 BY_DESIGN = {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "CANCELLED"}
 SYNTHETIC_TP = "synthetic-tp"
 # The synthetic profile's steps are this many times the fake runner's default step time, which puts
-# the load where narrow layouts start to win (about 20 req/s of 12-token answers at a 2 s SLO)
-# within what the tiny model serves on two CPU cores.
-SYNTHETIC_TP_SCALE = 100.0
+# the load where narrow layouts start to win (about 8 req/s of 12-token answers at a 2 s SLO) below
+# what this in-process client and server sustain on two CPU cores (about 14 calls/s).
+SYNTHETIC_TP_SCALE = 400.0
 
 
 def parse_phases(text: str) -> tuple[tuple[float, float], ...]:
@@ -114,7 +114,7 @@ class SoakConfig:
                                     "(what a GPU shows and fake CPU devices cannot), so a live controller has reason "
                                     "to switch", default_text="measured at start-up, as serve does")
     phases: tuple[tuple[float, float], ...] | None = opt(
-        None, "open-loop Poisson arrivals, RATE:SECONDS per phase, e.g. 2:60,30:60,2:60,30:60 (replaces "
+        None, "open-loop Poisson arrivals, RATE:SECONDS per phase, e.g. 1:60,10:60,1:60,10:60 (replaces "
               "--requests and --concurrency)", parse=parse_phases, metavar="RATE:SECONDS,...", default_text="closed loop")
     fault: bool = opt(True, "inject the instance failure midway")
     reload: bool = opt(True, "reload the weights midway")
@@ -124,6 +124,7 @@ class SoakConfig:
                               "`serve --ray-address` does; the fault midway is then a SIGKILL of the last "
                               "worker, and there is no reload (not carried across hosts)")
     json: bool = opt(False, "print the report as one JSON object")
+    verbose: bool = opt(False, "print the server's log at INFO too (the controller's switches among it)")
 
     def __post_init__(self):
         if self.requests < 1 or self.concurrency < 1 or not 0 <= self.cancel_rate < 1 or not 0 <= self.bad_rate < 1:
@@ -144,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = config_from_args(SoakConfig, parser.parse_args(argv), parser)
-    setup_logging(log)
+    setup_logging(log, verbose=args.verbose)
     from dilaserve_jax.serve import present_cpu_devices
 
     present_cpu_devices(args.mesh, 1)
@@ -305,12 +306,18 @@ async def _soak(args) -> int:
         "p99_latency_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None,
         "wall_s": wall, "events": events, "failures": dict(state.failures), "migrations": dict(state.migrations),
         "reloads": state.reloads, "layout": state.layout, "layout_switches": switches,
+        "rebuilt": [list(x) for x in cluster.recovery.done],
     }
     if args.json:
         print(json.dumps(report))
     else:
         for e in events:
             print(e)
+        for name, outcome in cluster.recovery.done:
+            print(f"failed instance {name}: {outcome}")
+        if args.verbose:
+            for d in state.controller.decisions:
+                print(f"controller decision: {d}")
         if arrivals is not None:
             print(f"deadline met by {met[0]} of {outcomes['OK']} completed calls ({args.slo_ms:g} ms each)")
         if args.controller != "manual" or switches:
