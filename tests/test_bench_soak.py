@@ -45,7 +45,7 @@ def test_phases_parse_and_draw_poisson_arrivals_per_phase():
 
 
 def test_the_switching_pattern_makes_the_controller_switch_three_times():
-    """The documented `--phases 1:60,10:60,1:60,10:60 --profile synthetic-tp --slo-ms 2000` soak,
+    """The documented `--phases 1:60,10:60,... --profile synthetic-tp --slo-ms 2000` soak (four phases),
     priced by the controller the server runs (default config, the tiny model's TP degrees, 8 slots)
     on the soak's request shape: it must give the live controller at least three switches to make."""
     from dilaserve_jax.bench.soak import parse_phases, poisson_arrivals, synthetic_tp_profile
