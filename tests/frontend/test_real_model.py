@@ -284,7 +284,8 @@ def test_failed_instances_hand_their_calls_to_the_survivor(tmp_path):
     fake_profile().save(profile)
     cfg = ServeConfig(model="tiny", mesh="4x1", slots=4, length_buckets=(64,), block_buckets=(16,),
                       default_block_length=16, profile=str(profile), allow_unused_devices=True, cache_mode="none",
-                      default_slo_ms=600_000, policy="fcfs-static", controller="manual", step_timeout_s=3.0)
+                      default_slo_ms=600_000, policy="fcfs-static", controller="manual", step_timeout_s=3.0,
+                      rebuild_failed=False)  # about the survivor: rebuilding is tested in test_recovery.py
     cluster = build_cluster(cfg, say=lambda _m: None)
     raising, dying, hanging = (cluster.engine(f"tp1@{i}") for i in range(3))
     _fault_on_call(raising.runner, "step", 4, lambda: (_ for _ in ()).throw(RuntimeError("injected device fault")))
