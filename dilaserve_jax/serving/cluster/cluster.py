@@ -29,7 +29,7 @@ from dilaserve_jax.serving.cluster.admin import ClusterAdmin, ClusterBusy
 from dilaserve_jax.serving.cluster.autoscale import Autoscaler
 from dilaserve_jax.serving.cluster.builder import InstanceBuilder, InstanceInfo
 from dilaserve_jax.serving.cluster.engine import Engine
-from dilaserve_jax.serving.cluster.engine_types import EngineUnavailable, Handoff, HungStep, ProgressFn, RequestHandle
+from dilaserve_jax.serving.cluster.engine_types import EngineUnavailable, Handoff, ProgressFn, RequestHandle
 from dilaserve_jax.serving.cluster.protocol import ArrivalObserver
 from dilaserve_jax.serving.cluster.recovery import Recovery
 from dilaserve_jax.serving.cluster.request_table import DuplicateRequest, RequestTable
@@ -222,8 +222,7 @@ class Cluster:
         log.error("instance %s failed (%s); re-queueing %d request(s) on the survivors", engine.name, fault,
                   len(handoffs))
         self._emit("failure", {"instance": engine.name, "error": fault})
-        # a hung device call still holds the devices: no rebuild on them
-        rebuild = not isinstance(error, HungStep) and self.recovery.wanted(engine.name)
+        rebuild = self.recovery.wanted(engine.name, error)
         hold = rebuild and not self.healthy_engines
         if hold:  # the rebuilt instance will take them
             self.hold_arrivals()
@@ -336,7 +335,7 @@ class _Admin:
 
     def retire(self, engines: Sequence[Engine]) -> None:
         c, names = self._c, {e.name for e in engines}
-        c._requests.holding = True  # requests no instance can take are held until `install`
+        c.hold_arrivals()  # requests no instance can take are held until `install`
         with c._requests.lock:
             c.engines = [e for e in c.engines if e.name not in names]
             c.retiring.update({e.name: e for e in engines})
@@ -346,8 +345,7 @@ class _Admin:
         with c._requests.lock:  # one step: a request placed meanwhile sees the old set or the new one
             c.retiring.update({e.name: e for e in c.engines if e.name not in names})
             c.engines, c.infos, c.layout = list(engines), list(infos), layout
-        c._requests.holding = False
-        c._requests.place_held()
+        c.release_held()
 
     def requeue(self, handoffs: Sequence[Handoff], reason: str, exclude: frozenset[str] = frozenset()) -> None:
         self._c.requeue(handoffs, reason, exclude)

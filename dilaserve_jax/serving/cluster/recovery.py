@@ -25,6 +25,7 @@ from collections import deque
 from typing import Callable, Protocol
 
 from dilaserve_jax.serving.cluster.admin import ClusterBusy
+from dilaserve_jax.serving.cluster.engine_types import HungStep
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +52,12 @@ class Recovery:
         self.threads: list[threading.Thread] = []
         self.done: list[tuple[str, str]] = []  # (instance, outcome) per attempt, newest last
 
-    def wanted(self, name: str) -> bool:
-        """Whether a failure of `name` gets a rebuild (counts it when so)."""
+    def wanted(self, name: str, error: BaseException) -> bool:
+        """Whether `name`, failed with `error`, gets a rebuild (counts it when so)."""
         builder = self.cluster.builder
         if not self.enabled or self.cluster.stopping or not getattr(builder, "rebuilds_in_place", False):
+            return False
+        if isinstance(error, HungStep):  # the hung device call still holds the devices
             return False
         now = self.clock()
         with self._lock:
@@ -99,6 +102,6 @@ class Recovery:
             del self.done[:-64]
 
     def join(self, timeout: float | None = None) -> None:
-        """Wait for the rebuilds under way (tests)."""
+        """Wait for the rebuilds under way (the cluster's stop; tests)."""
         for t in list(self.threads):
             t.join(timeout)
