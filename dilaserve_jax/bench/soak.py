@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -54,31 +55,28 @@ SYNTHETIC_TP_SCALE = 400.0
 
 
 def parse_phases(text: str) -> tuple[tuple[float, float], ...]:
-    """"2:60,30:60" -> ((2.0, 60.0), (30.0, 60.0)): (arrivals per second, seconds) per phase."""
-    out = []
-    for word in (w.strip() for w in text.split(",") if w.strip()):
-        try:
-            rate, seconds = (float(x) for x in word.split(":"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"phase {word!r} is not RATE:SECONDS") from None
-        if not (rate > 0 and seconds > 0):
-            raise argparse.ArgumentTypeError(f"phase {word!r}: rate and seconds must be positive")
-        out.append((rate, seconds))
-    if not out:
-        raise argparse.ArgumentTypeError("--phases needs at least one RATE:SECONDS")
-    return tuple(out)
+    """"2:60,30:60" -> ((2.0, 60.0), (30.0, 60.0)): (arrivals per second, seconds) per phase; the
+    simulator's `steps:RATE@SECONDS,...` pattern (sim/workload.py) written with colons."""
+    from dilaserve_jax.sim.workload import parse_steps
+
+    try:
+        steps = parse_steps("steps:" + text.replace(":", "@"))
+    except ValueError:
+        steps = None
+    if not steps or any(rate <= 0 for rate, _ in steps):
+        raise argparse.ArgumentTypeError(f"--phases {text!r}: need RATE:SECONDS,... with every rate and "
+                                         "duration positive, e.g. 1:60,10:60")
+    return tuple(steps)
 
 
 def poisson_arrivals(phases, seed: int) -> list[float]:
     """Arrival times (s from the start) of a Poisson process whose rate is constant within each phase."""
-    rng, out, start = random.Random(seed), [], 0.0
-    for rate, seconds in phases:
-        t = start + rng.expovariate(rate)
-        while t < start + seconds:
-            out.append(t)
-            t += rng.expovariate(rate)
-        start += seconds
-    return out
+    import numpy as np
+
+    from dilaserve_jax.sim.workload import arrival_times
+
+    spec = "steps:" + ",".join(f"{rate!r}@{seconds!r}" for rate, seconds in phases)
+    return arrival_times(spec, duration=None, rate_scale=1.0, rng=np.random.default_rng(seed)).tolist()
 
 
 def synthetic_tp_profile(scale: float = SYNTHETIC_TP_SCALE, tps=(1, 2, 4, 8)):
@@ -204,7 +202,7 @@ async def _soak(args) -> int:
     events: list[str] = []
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     stub = pb_grpc.DiLaServeStub(channel)
-    sem = asyncio.Semaphore(args.concurrency if arrivals is None else calls)  # open loop: no bound
+    sem = asyncio.Semaphore(args.concurrency) if arrivals is None else contextlib.nullcontext()  # open loop: no bound
     bar = tqdm(total=calls, desc="soak", unit="call", file=sys.stderr)
     t0 = time.perf_counter()
 
