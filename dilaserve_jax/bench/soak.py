@@ -64,8 +64,8 @@ def parse_phases(text: str) -> tuple[tuple[float, float], ...]:
     except ValueError:
         steps = None
     if not steps or any(rate <= 0 for rate, _ in steps):
-        raise argparse.ArgumentTypeError(f"--phases {text!r}: need RATE:SECONDS,... with every rate and "
-                                         "duration positive, e.g. 1:60,10:60")
+        raise argparse.ArgumentTypeError(f"{text!r}: need RATE:SECONDS,... with every rate and duration "
+                                         "positive, e.g. 1:60,10:60")
     return tuple(steps)
 
 

@@ -94,7 +94,7 @@ def config_from_args(cls: type, namespace: argparse.Namespace, parser: argparse.
             continue
         try:
             kwargs[name] = _value(value, spec, hint)
-        except (ValueError, TypeError) as err:
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as err:  # the last: argparse's own idiom
             parser.error(f"argument {'/'.join(action.option_strings) or action.dest}: {err}")
     try:
         return cls(**kwargs, **given)

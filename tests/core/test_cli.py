@@ -95,6 +95,23 @@ def test_validation_errors_are_usage_errors_with_the_message(capsys):
     assert "argument --budget: could not convert string to float: 'lots'" in capsys.readouterr().err
 
 
+def test_a_parse_that_raises_argparses_own_error_is_a_usage_error_too(capsys):
+    def positive(text):
+        if float(text) <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is not positive")
+        return float(text)
+
+    @dataclass(frozen=True, slots=True)
+    class Rate:
+        rate: float = opt(1.0, "a rate", parse=positive)
+
+    p = parser_for(Rate)
+    assert config_from_args(Rate, p.parse_args(["--rate", "2"]), p) == Rate(2.0)
+    with pytest.raises(SystemExit) as stop:
+        config_from_args(Rate, p.parse_args(["--rate", "-1"]), p)
+    assert stop.value.code == 2 and "argument --rate: '-1' is not positive" in capsys.readouterr().err
+
+
 def test_main_returns_the_usage_error_status(capsys):
     @returns_exit_status
     def main(argv):
