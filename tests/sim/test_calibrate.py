@@ -33,3 +33,11 @@ def test_fixed_lengths_table_and_bad_input(capsys):
     assert "1x2" in out and "2x1" in out and "attainment error" in out
     assert main(["--rates", "-1"]) == 2
     assert "--rates must be positive" in capsys.readouterr().err
+
+
+def test_fixed_length_first_choice_is_the_simulated_best_above_capacity():
+    # 30 and 50 req/s overload 1x8 and 2x4 (the simulator measures 17% and 6% on 1x8)
+    cfg = CalibrateConfig(rates=(30, 50), layouts=("8x1", "2x4", "1x8"), duration=10, jobs=1, progress=False)
+    rows, ranks, _ = calibrate(cfg)
+    assert len(rows) == 6
+    assert all(k["ok"] for k in ranks), format_rows(rows, ranks, cfg)

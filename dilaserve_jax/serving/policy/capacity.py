@@ -9,12 +9,14 @@ numpy; no JAX):
    takes the highest τ in its range that meets its deadline after the departures ahead of it, or
    misses (it runs late, at its floor, behind the others). Service times come from the latency
    model (refresh and reuse steps apart, per TP degree, each round priced as the decoder runs a
-   batch of the sampled shapes: one padded step per length bucket present, `round_times`) and
-   the τ -> tokens/step estimate.
+   batch of the sampled shapes: one padded step per length bucket present, `round_times`; a
+   refresh at the mean price of the groups refreshes run in, b of them per turn) and the
+   τ -> tokens/step estimate.
 2. `evaluate_layouts` splits the load over the instances of each candidate as the router does (it
    sends each request to the earliest predicted finish, so in steady state instances run at equal
    latency: water-filling on the latency curves) and reads off attainment, mean latency and mean
-   τ — vectorised over all candidates at once.
+   τ — vectorised over all candidates at once. Past the end of an instance's table (twice its
+   capacity) the requests in time are served no faster, so attainment falls as 1 / λ.
 """
 from __future__ import annotations
 
@@ -119,6 +121,11 @@ def service_times(latency: LatencyModel, tp: int, sample: Sequence[RequestShape]
     block = np.array([r.block_len for r in sample], dtype=np.float64)
     blocks = np.array([r.answer_len // r.block_len for r in sample], dtype=np.float64)
     t_ref = round_times(latency, StepKind.REFRESH, tp, sample, slots, shapes)  # [B, J]
+    # requests reach their refreshes at different steps, so a refresh round takes the g of the b
+    # present that need one (g about uniform over 1..b, each round padded), and a request lives
+    # through the others' refresh rounds too: b refreshes' worth at the mean price per refresh,
+    # b · mean_g≤b t(g) / g = Σ_g≤b t(g) / g
+    t_ref = np.cumsum(t_ref / np.arange(1, slots + 1)[:, None], axis=0)
     t_reu = round_times(latency, StepKind.REUSE, tp, sample, slots, shapes)
     per_block = np.maximum(1.0, np.ceil(block[None, :] / np.maximum(1.0, rates[:, None])))  # [T, J]
     n_ref = np.broadcast_to(blocks[None, :], per_block.shape)
@@ -254,7 +261,9 @@ def evaluate_layouts(layouts: Sequence[tuple[int, ...]], curves: Mapping[int, Cu
         r = per[:, k]
         cv = curves[t]
         w = counts[:, k] * r / rate
-        att = np.where(used, att + w * np.interp(r, cv.rates, cv.attainment), att)
+        # beyond the table the requests in time are served no faster: attainment falls as 1 / λ
+        beyond = np.maximum(r, cv.rates[-1])
+        att = np.where(used, att + w * np.interp(r, cv.rates, cv.attainment) * cv.rates[-1] / beyond, att)
         lat = np.where(used, lat + w * np.interp(r, cv.rates, cv.latency), lat)
         tau = np.where(used, tau + w * np.interp(r, cv.rates, cv.tau), tau)
     return [LayoutPrediction(lay, float(a), float(l), float(u)) for lay, a, l, u in zip(layouts, att, lat, tau)]

@@ -1,0 +1,36 @@
+"""The capacity model's arithmetic: beyond its table, and the price of a refresh."""
+import numpy as np
+
+from dilaserve_jax.core.kinds import StepKind
+from dilaserve_jax.serving.policy.capacity import Curves, RequestShape, StepShapes, evaluate_layouts, service_times
+
+
+class _ComputeBound:
+    """A refresh costs 10 ms per padded request, a reuse 1 ms flat."""
+
+    def round_many(self, kind, batch, canvas, block, tp):
+        b = np.asarray(batch, dtype=np.float64) + 0 * np.asarray(canvas)
+        return 0.010 * b if kind == StepKind.REFRESH else 0.001 + 0 * b
+
+
+def _curves(tp: int, capacity: float) -> Curves:
+    rates = np.array([0.0, capacity / 2, capacity, 2 * capacity])
+    return Curves(tp, rates, np.array([1.0, 1.0, 0.8, 0.4]), np.array([1.0, 1.2, 2.0, 3.0]),
+                  np.array([0.9, 0.9, 0.8, 0.7]), capacity)
+
+
+def test_beyond_the_table_attainment_falls_as_one_over_the_rate():
+    curves = {1: _curves(1, 5.0)}
+    at_edge, twice, four = (evaluate_layouts([(1,)], curves, r)[0].attainment for r in (10.0, 20.0, 40.0))
+    assert at_edge == 0.4
+    assert twice == 0.2 and four == 0.1  # the requests in time are served no faster beyond the table
+
+
+def test_a_refresh_is_priced_at_the_mean_group_it_runs_in_and_the_others_refreshes_are_waited_for():
+    sample = [RequestShape(prompt_len=100, answer_len=64, block_len=32, slo_s=1.0)]
+    shapes = StepShapes(batch_buckets=(1, 2, 4, 8))
+    t = service_times(_ComputeBound(), 1, sample, 8, np.array([1.0]), np.array([32.0]), shapes)  # [B, T, J]
+    # one refresh and no reuse per block (32 tokens a step), two blocks
+    assert np.isclose(t[0, 0, 0], 2 * 0.010)
+    # at 3 present: groups of 1, 2, 3 (padded to 4) cost 10, 10, 13.3 ms a refresh; 3 refreshes a turn
+    assert np.isclose(t[2, 0, 0], 2 * 3 * np.mean([0.010, 0.010, 0.040 / 3]))
