@@ -45,7 +45,7 @@ def test_phases_parse_and_draw_poisson_arrivals_per_phase():
 
 
 def test_the_switching_pattern_makes_the_controller_switch_three_times():
-    """The documented `--phases 1:60,10:60,... --profile synthetic-tp --slo-ms 2000` soak (four phases),
+    """The documented `--phases 1:60,10:60,... --profile synthetic-tp --slo-ms 3000` soak (four phases),
     priced by the controller the server runs (default config, the tiny model's TP degrees, 8 slots)
     on the soak's request shape: it must give the live controller at least three switches to make."""
     from dilaserve_jax.bench.soak import parse_phases, poisson_arrivals, synthetic_tp_profile
@@ -57,7 +57,7 @@ def test_the_switching_pattern_makes_the_controller_switch_three_times():
     latency = LatencyModel.from_profile(synthetic_tp_profile())
     ctl = ClusterController(ControllerConfig(), num_devices=8, tp_degrees=(1, 2, 4, 8), latency=latency, slots=8,
                             param_bytes=10**7)
-    shape = RequestShape(12, 12, 12, 2.0, 0.9, 1.0)
+    shape = RequestShape(12, 12, 12, 3.0, 0.9, 1.0)
     arrivals = iter(poisson_arrivals(parse_phases("1:60,10:60,1:60,10:60"), seed=0))
     layout, seen, now, nxt = (4, 4), ["2x4"], 0.0, next(arrivals)
     while now < 240.0:

@@ -129,16 +129,18 @@ class Calls:
 
     async def run(self, spec: GenerateSpec, *, stream: bool, deadline_s: float | None = None, hard: bool = False):
         """Submit `spec` and yield Submitted, the Steps (when `stream`), then Finished. The request is
-        scheduled for `deadline_s` from now when given (a gRPC deadline, an HTTP timeout header),
-        else for its `slo_ms`, else the server default; `hard`: when `deadline_s` passes, abort it
-        and raise CallError(DEADLINE)."""
-        slo_s = deadline_s if deadline_s is not None else (spec.slo_s or self.cluster.limits.default_slo_ms / 1000.0)
+        scheduled for the earlier of `deadline_s` from now (a gRPC deadline, an HTTP timeout
+        header) and its `slo_ms`, whichever are given, else the server default (a generous
+        transport timeout does not loosen an SLO the caller asked for); `hard`: when `deadline_s`
+        passes, abort it and raise CallError(DEADLINE)."""
+        given = [s for s in (deadline_s, spec.slo_s) if s is not None]
+        slo_s = min(given) if given else self.cluster.limits.default_slo_ms / 1000.0
         now = self.cluster.clock()
         req = Request(spec.request_id, spec.prompt_tokens, spec.answer_length, spec.block_length, now, now + slo_s,
                       tau_min=spec.tau_min, tau_max=spec.tau_max, temperature=spec.temperature, seed=spec.seed,
                       max_accuracy_drop=spec.max_accuracy_drop, strict_admission=spec.strict_admission)
         loop = asyncio.get_running_loop()
-        expires = loop.time() + slo_s if hard else None
+        expires = loop.time() + deadline_s if hard and deadline_s is not None else None
         updates: asyncio.Queue = asyncio.Queue()
         on_progress = (lambda p: loop.call_soon_threadsafe(updates.put_nowait, p)) if stream else None
         self._enter()

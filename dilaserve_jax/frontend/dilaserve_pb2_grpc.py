@@ -70,8 +70,8 @@ class DiLaServeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Generate a whole answer. The deadline is the call's gRPC deadline if set, else slo_ms,
-        else the server default.
+        """Generate a whole answer. The deadline is the earlier of the call's gRPC deadline and slo_ms,
+        whichever are set, else the server default.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

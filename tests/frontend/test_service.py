@@ -41,6 +41,12 @@ def test_grpc_deadline_sets_the_schedule(fake_server):
     assert 2000 < r.deadline_ms <= 3050
 
 
+def test_a_long_grpc_timeout_does_not_loosen_the_slo(fake_server):
+    with fake_server.client() as c:
+        r = c.generate("hello", timeout=600.0, slo_ms=1500)
+    assert r.deadline_ms == pytest.approx(1500, rel=1e-3)  # the earlier of the two
+
+
 BAD = [
     (dict(prompt=""), "text"),
     (dict(prompt=[]), "token_ids"),
