@@ -45,19 +45,26 @@ def test_phases_parse_and_draw_poisson_arrivals_per_phase():
 
 
 def test_the_switching_pattern_makes_the_controller_switch_three_times():
-    """The documented `--phases 1:60,10:60,... --profile synthetic-tp --slo-ms 3000` soak (four phases),
-    priced by the controller the server runs (default config, the tiny model's TP degrees, 8 slots)
-    on the soak's request shape: it must give the live controller at least three switches to make."""
+    """The documented `--phases 1:60,10:60,... --layouts 4x2,2x4,1x8 --profile synthetic-tp
+    --slo-ms 2500` soak (four phases), priced as the server prices it (default config, the tiny
+    model's TP degrees, 8 slots, the shipped eval rows' τ prior, τ down to 0.9, the decoder's
+    buckets) on the soak's request shape: it must give the live controller at least three switches
+    to make."""
+    from pathlib import Path
+
     from dilaserve_jax.bench.soak import parse_phases, poisson_arrivals, synthetic_tp_profile
     from dilaserve_jax.core.layouts import layout_text, parse_layout
-    from dilaserve_jax.serving.policy.capacity import RequestShape
+    from dilaserve_jax.serving.policy.capacity import RequestShape, StepShapes
     from dilaserve_jax.serving.policy.controller import ClusterController, ControllerConfig
+    from dilaserve_jax.serving.policy.eval_rows import prior_from_eval_json
     from dilaserve_jax.serving.policy.latency import LatencyModel
 
     latency = LatencyModel.from_profile(synthetic_tp_profile())
+    prior = prior_from_eval_json(Path(__file__).resolve().parents[1] / "dilaserve_jax" / "assets" / "tiny" / "eval.json")
     ctl = ClusterController(ControllerConfig(), num_devices=8, tp_degrees=(1, 2, 4, 8), latency=latency, slots=8,
-                            param_bytes=10**7)
-    shape = RequestShape(12, 12, 12, 3.0, 0.9, 1.0)
+                            param_bytes=10**7, layouts=("4x2", "2x4", "1x8"), tau_floor=0.9, prior=prior,
+                            shapes=StepShapes((128, 256), (1, 2, 4, 8)))
+    shape = RequestShape(12, 12, 12, 2.5, 0.9, 1.0)
     arrivals = iter(poisson_arrivals(parse_phases("1:60,10:60,1:60,10:60"), seed=0))
     layout, seen, now, nxt = (4, 4), ["2x4"], 0.0, next(arrivals)
     while now < 240.0:

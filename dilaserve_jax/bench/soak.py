@@ -31,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from dilaserve_jax.core.cli import add_config_arguments, config_from_args, opt, returns_exit_status, setup_logging
+from dilaserve_jax.core.cli import add_config_arguments, config_from_args, opt, returns_exit_status, setup_logging, words
 from dilaserve_jax.serve import DEFAULT_COMPILE_CACHE
 from dilaserve_jax.serving.cluster.autoscale import MODES
 
@@ -107,6 +107,9 @@ class SoakConfig:
     slo_ms: float = opt(60_000.0, "slo_ms of every call")
     controller: str = opt("manual", "cluster controller of the server (manual: the soak is about faults)",
                           choices=MODES)
+    layouts: tuple[str, ...] = opt((), "layouts --controller auto may choose, as serve --layouts (e.g. "
+                                        "'4x2,2x4,1x8': on a few shared cores, a switch to 8 instances compiles "
+                                        "for minutes)", parse=words, default_text="all")
     profile: str | None = opt(None, f"step-latency profile JSON, or '{SYNTHETIC_TP}': a synthetic multi-TP profile "
                                     "in which wide instances are faster per request and narrow ones serve more in all "
                                     "(what a GPU shows and fake CPU devices cannot), so a live controller has reason "
@@ -179,7 +182,8 @@ async def _soak(args) -> int:
     if profile == SYNTHETIC_TP:
         profile = str(root / "synthetic-tp-profile.json")
         synthetic_tp_profile().save(profile)
-    serve_config = ServeConfig(mesh=args.mesh, slots=args.slots, profile=profile, controller=args.controller)
+    serve_config = ServeConfig(mesh=args.mesh, slots=args.slots, profile=profile, controller=args.controller,
+                               layouts=args.layouts)
     hosts = _RayWorkers(args, serve_config) if args.ray_workers else None
     cluster = hosts.cluster if hosts is not None else build_cluster(serve_config, log.info)
     server = await start_server(cluster, ServerOptions(port=0, metrics_port=None, weights_roots=(str(root),)))
@@ -254,7 +258,15 @@ async def _soak(args) -> int:
             return
         if args.reload:
             t = time.perf_counter()
-            reply = await stub.ReloadWeights(pb.ReloadWeightsRequest(directory=str(root / "tiny-copy")), timeout=600)
+            while True:  # a layout switch in progress refuses a reload: wait for it to end
+                try:
+                    reply = await stub.ReloadWeights(pb.ReloadWeightsRequest(directory=str(root / "tiny-copy")),
+                                                     timeout=600)
+                    break
+                except grpc.aio.AioRpcError as err:
+                    if err.code() != grpc.StatusCode.FAILED_PRECONDITION or time.perf_counter() - t > 600:
+                        raise
+                    await asyncio.sleep(1.0)
             events.append(f"reloaded {reply.model} in {time.perf_counter() - t:.2f} s at call {bar.n}")
         if args.fault:
             victim = cluster.engines[0]
