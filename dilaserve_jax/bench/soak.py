@@ -298,6 +298,10 @@ async def _soak(args) -> int:
     for task in (fault_task, watch_task):
         if not task.done():
             task.cancel()
+    if fault_task.done() and not fault_task.cancelled() and fault_task.exception() is not None:
+        err = fault_task.exception()  # the reload or the fault midway failed: say so in the report
+        why = err.details() if isinstance(err, grpc.aio.AioRpcError) else err
+        events.append(f"the fault midway failed: {type(err).__name__}: {why}")
     state = cluster.state()
     await channel.close()
     await server.drain_and_stop(5.0)
