@@ -11,7 +11,7 @@ UNKNOWN, UNAVAILABLE, a hang) and must be 0.
 `--phases 1:60,10:60,...` replaces the closed loop with open-loop Poisson arrivals whose rate changes
 from phase to phase, so that a live controller (`--controller auto`) has loads to follow; the report
 then lists the layout switches it made. With `--profile synthetic-tp` the controller prices layouts
-with a synthetic multi-TP profile (see `synthetic_tp_profile`): on 8 fake CPU devices that share the
+with a synthetic multi-TP profile (`soak_load.synthetic_tp_profile`): on 8 fake CPU devices that share the
 machine's cores a wider instance is never faster, so a measured profile gives it nothing to switch for.
 """
 from __future__ import annotations
@@ -31,6 +31,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from dilaserve_jax.bench.soak_load import (  # noqa: F401 - re-exported: the soak's inputs
+    SYNTHETIC_TP, SYNTHETIC_TP_SCALE, parse_phases, poisson_arrivals, synthetic_tp_profile)
 from dilaserve_jax.core.cli import add_config_arguments, config_from_args, opt, returns_exit_status, setup_logging, words
 from dilaserve_jax.serve import DEFAULT_COMPILE_CACHE
 from dilaserve_jax.serving.cluster.autoscale import MODES
@@ -47,53 +49,6 @@ BAD_REQUESTS = (  # (what, GenerateRequest fields): each must come back INVALID_
     ("reserved token id", {"token_ids": [2, 65]}),
 )
 BY_DESIGN = {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "CANCELLED"}
-SYNTHETIC_TP = "synthetic-tp"
-# The synthetic profile's steps are this many times the fake runner's default step time, which puts
-# the load where narrow layouts start to win (about 8 req/s of 12-token answers at a 2 s SLO) below
-# what this in-process client and server sustain on two CPU cores (about 14 calls/s).
-SYNTHETIC_TP_SCALE = 400.0
-
-
-def parse_phases(text: str) -> tuple[tuple[float, float], ...]:
-    """"2:60,30:60" -> ((2.0, 60.0), (30.0, 60.0)): (arrivals per second, seconds) per phase; the
-    simulator's `steps:RATE@SECONDS,...` pattern (sim/workload.py) written with colons."""
-    from dilaserve_jax.sim.workload import parse_steps
-
-    try:
-        steps = parse_steps("steps:" + text.replace(":", "@"))
-    except ValueError:
-        steps = None
-    if not steps or any(rate <= 0 for rate, _ in steps):
-        raise argparse.ArgumentTypeError(f"{text!r}: need RATE:SECONDS,... with every rate and duration "
-                                         "positive, e.g. 1:60,10:60")
-    return tuple(steps)
-
-
-def poisson_arrivals(phases, seed: int) -> list[float]:
-    """Arrival times (s from the start) of a Poisson process whose rate is constant within each phase."""
-    import numpy as np
-
-    from dilaserve_jax.sim.workload import arrival_times
-
-    spec = "steps:" + ",".join(f"{rate!r}@{seconds!r}" for rate, seconds in phases)
-    return arrival_times(spec, duration=None, rate_scale=1.0, rng=np.random.default_rng(seed)).tolist()
-
-
-def synthetic_tp_profile(scale: float = SYNTHETIC_TP_SCALE, tps=(1, 2, 4, 8)):
-    """The fake runner's multi-TP profile (`fake_runner.tp_step_time`: a TP-t step is the parallel
-    part of a TP-1 step divided by t, a serial share that is not, plus an all-reduce), every step
-    `scale` times longer. Wide instances finish one request sooner, many narrow ones serve more in
-    all, as on a GPU. Labelled synthetic; it only steers the controller and the schedulers' plans."""
-    from dilaserve_jax.core.kinds import StepKind
-    from dilaserve_jax.serving.cluster.fake_runner import default_step_time, fake_tp_profile
-    from dilaserve_jax.serving.policy.latency import Profile
-
-    def base(kind: StepKind, batch: int, canvas: int, block: int) -> float:
-        return scale * default_step_time(kind, batch, canvas, block)
-
-    p = fake_tp_profile(tps, base=base)
-    return Profile(f"synthetic multi-TP profile, fake runner steps x{scale:g} (not measured)", True, "synthetic",
-                   "synthetic", p.points)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,15 +213,7 @@ async def _soak(args) -> int:
             return
         if args.reload:
             t = time.perf_counter()
-            while True:  # a layout switch in progress refuses a reload: wait for it to end
-                try:
-                    reply = await stub.ReloadWeights(pb.ReloadWeightsRequest(directory=str(root / "tiny-copy")),
-                                                     timeout=600)
-                    break
-                except grpc.aio.AioRpcError as err:
-                    if err.code() != grpc.StatusCode.FAILED_PRECONDITION or time.perf_counter() - t > 600:
-                        raise
-                    await asyncio.sleep(1.0)
+            reply = await _reload_when_free(stub, pb.ReloadWeightsRequest(directory=str(root / "tiny-copy")))
             events.append(f"reloaded {reply.model} in {time.perf_counter() - t:.2f} s at call {bar.n}")
         if args.fault:
             victim = cluster.engines[0]
@@ -384,6 +331,21 @@ class _RayWorkers:
         self.hosts.stop()
         ray.shutdown()
         self.nodes.shutdown()
+
+
+async def _reload_when_free(stub, request, patience_s: float = 600.0):
+    """ReloadWeights, waiting out a layout switch in progress (the server refuses a reload during a
+    reconfiguration with FAILED_PRECONDITION) for up to `patience_s`."""
+    import grpc
+
+    t = time.perf_counter()
+    while True:
+        try:
+            return await stub.ReloadWeights(request, timeout=patience_s)
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.FAILED_PRECONDITION or time.perf_counter() - t > patience_s:
+                raise
+            await asyncio.sleep(1.0)
 
 
 async def _await(call):
