@@ -59,7 +59,9 @@ class SimCommand:
     profile: str | None = opt(None, "h100, a100, h200 (analytic LLaDA-8B roofline) or a measured profile JSON",
                               default_text="h100 for llada_8b; required for tiny")
     eval_rows: str | None = opt(None, "tiny: eval rows with trajectories", default_text="the shipped eval.json")
-    layout: str | None = opt(None, "mesh spec (2x4, 8x1, 4+2+1+1, ...) or auto (dilaserve: the controller reshapes)",
+    layout: str | None = opt(None, "mesh spec (2x4, 8x1, 4+2+1+1, ...), auto (dilaserve: the controller reshapes) "
+                                   "or schedule:LAYOUT@SECONDS,... (switched at those times whatever the load: "
+                                   "an oracle, e.g. schedule:1x8@0,8x1@300,1x8@600)",
                              default_text="auto for dilaserve, required otherwise")
     slo_tp: int = opt(1, "TP degree of the instance idle latencies refer to")
     length_buckets: str | None = opt(None, "comma-separated canvas buckets the decoder compiles (a step runs once "

@@ -47,7 +47,7 @@ COMPILE_CACHES = ("by-degree", "per-placement")
 class SimConfig:
     devices: int = opt(8, "devices in the cluster")
     policy: str = opt("dilaserve", "scheduling policy", choices=POLICIES)
-    layout: str = "auto"  # a mesh spec, or auto (dilaserve only: the controller chooses)
+    layout: str = "auto"  # a mesh spec, auto (dilaserve only: the controller chooses) or a schedule
     initial_layout: str | None = opt(None, "auto: starting layout",
                                      default_text="the one predicted best for the first window of arrivals")
     layouts: tuple[str, ...] = opt((), "auto: comma-separated candidate layouts", parse=words,
@@ -95,7 +95,8 @@ class SimConfig:
             raise ValueError(f"max_accuracy_drop must be >= 0 points (or None), got {self.max_accuracy_drop}")
         if not 0 < self.tau_min <= self.tau_max <= 1 or not 0 < self.static_tau <= 1:
             raise ValueError("need 0 < tau_min <= tau_max <= 1 and static_tau in (0, 1]")
-        for spec in (self.layout, self.initial_layout, *self.layouts):
+        scheduled = [lay for _, lay in parse_schedule(self.layout)] if is_schedule(self.layout) else [self.layout]
+        for spec in (*scheduled, self.initial_layout, *self.layouts):
             if spec not in (None, "auto") and sum(parse_layout(spec)) != self.devices:
                 raise ValueError(f"layout {spec} does not cover {self.devices} devices")
 
@@ -221,6 +222,8 @@ class Simulation:
 
     def initial_layout(self) -> str:
         cfg = self.cfg
+        if is_schedule(cfg.layout):
+            return parse_schedule(cfg.layout)[0][1]
         if cfg.layout != "auto":
             return cfg.layout
         if cfg.initial_layout:
@@ -258,6 +261,9 @@ class Simulation:
             ctl = self._controller([parse_layout(start)] if fixed else self._candidates())
             scaler = cluster.autoscaler = Autoscaler(cluster, ctl, mode="manual", clock=lambda: cluster.now)
             cluster.push(cfg.controller.interval_s, CONTROL, None)
+        schedule = parse_schedule(cfg.layout)[1:] if is_schedule(cfg.layout) else []
+        for k, (t, _) in enumerate(schedule):
+            cluster.push(t, SCHEDULED, None, k)
         layouts = [(0.0, cluster.layout)]
         n = len(self.specs)
         done = [0]
@@ -283,7 +289,17 @@ class Simulation:
                     scaler.round(t)
                 cluster.push(t + cfg.controller.interval_s, CONTROL, None)
 
-        handlers = {ARRIVAL: arrival, CONTROL: control}
+        def scheduled(t, _, k):
+            """A switch the schedule names: taken at its time, or as soon as a switch under way ends."""
+            if cluster.switching:
+                cluster.push(t + 0.25, SCHEDULED, None, k)
+                return
+            spec = schedule[k][1]
+            cluster.reconfigure(spec, reason="schedule")
+            if scaler is not None:  # migrations within the new layout, as a fixed layout's controller makes
+                scaler.controller = self._controller([parse_layout(spec)])
+
+        handlers = {ARRIVAL: arrival, CONTROL: control, SCHEDULED: scheduled}
         while (ev := cluster.process_next(handlers)) is not None:
             if ev[1] == SWITCH:
                 layouts.append((ev[0], cluster.layout))
@@ -339,6 +355,35 @@ class Simulation:
             req.id, task, req.arrival, req.deadline, req.finish_time, state, bool(res and res.deadline_met),
             len(steps), sum(tau for tau, _ in steps), sum(n for _, n in steps), low, valid, req.moves,
             res.instance if res is not None else "", float(req.predicted_loss), p, p_ref))
+
+
+SCHEDULED = 4  # an event kind of the simulator's own (after the cluster's four)
+
+
+def is_schedule(layout: str) -> bool:
+    return layout.startswith("schedule:")
+
+
+def parse_schedule(text: str) -> list[tuple[float, str]]:
+    """`schedule:1x8@0,8x1@300,...` -> [(0.0, "1x8"), (300.0, "8x1"), ...]: the layouts a run is
+    switched to at the given seconds, whatever the load (an oracle to measure what switching at
+    the right moments is worth). The first entry is at 0; times increase; ValueError otherwise."""
+    form = "a schedule is schedule:LAYOUT@SECONDS,... starting at 0, e.g. schedule:1x8@0,8x1@300"
+    body = text.removeprefix("schedule:")
+    out: list[tuple[float, str]] = []
+    for item in filter(None, body.split(",")):
+        spec, sep, when = item.partition("@")
+        try:
+            t = float(when)
+        except ValueError:
+            raise ValueError(f"bad schedule entry {item!r}: {form}") from None
+        if not sep or not spec or t < 0 or (out and t <= out[-1][0]):
+            raise ValueError(f"bad schedule entry {item!r}: {form}")
+        parse_layout(spec)
+        out.append((t, layout_text(parse_layout(spec))))
+    if not out or out[0][0] != 0:
+        raise ValueError(f"bad schedule {text!r}: {form}")
+    return out
 
 
 def _shape(s: RequestSpec, cfg: SimConfig) -> RequestShape:

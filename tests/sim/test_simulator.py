@@ -103,6 +103,25 @@ def test_without_reconfiguration_the_layout_stays(llada):
     assert not res.reconfigurations and res.layouts == [(0.0, "1x8")]
 
 
+@pytest.mark.parametrize("policy", ["dilaserve", "fcfs-static"])
+def test_a_schedule_switches_at_its_times_whatever_the_load(llada, policy):
+    specs = _llada_specs(5, 12.0)
+    res = _sim(llada, specs, devices=8, policy=policy, layout="schedule:1x8@0,4x2@4,2x4@8").run()
+    assert [lay for _, lay in res.layouts] == ["1x8", "4x2", "2x4"]
+    assert [r.reason for r in res.reconfigurations] == ["schedule", "schedule"]
+    starts = [r.started for r in res.reconfigurations]
+    # the second waits for the first to end if it has not
+    assert starts[0] == pytest.approx(4.0) and 8.0 <= starts[1] < max(8.0, res.reconfigurations[0].finished) + 0.3
+    assert len(res.records) == len(specs) and all(r.finish is not None for r in res.records)
+
+
+@pytest.mark.parametrize("bad", ["schedule:", "schedule:1x8@5", "schedule:1x8@0,2x4@0", "schedule:1x8@0,2x4",
+                                 "schedule:1x8@0,3x3@5", "schedule:1x8@0,2x4@x"])
+def test_a_malformed_schedule_is_refused_with_its_form(bad):
+    with pytest.raises(ValueError, match="LAYOUT@SECONDS|mesh|device"):
+        SimConfig(devices=8, layout=bad)
+
+
 def _two_on_one(ablate=frozenset()):
     """Two requests at once on two idle single-slot-pair instances: the router breaks the tie towards the
     first instance for both; together there they cannot both meet the SLO, alone each can."""
