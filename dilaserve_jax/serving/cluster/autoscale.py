@@ -103,9 +103,11 @@ class Autoscaler:
         if ctl is None:
             return None
         snaps = cluster.snapshots()
-        est = next((s.load.estimator for s in snaps if s.healthy and s.load.estimator is not None), None)
-        if est is not None:
-            ctl.set_tokens_per_step(est.taus, est.rates)
+        ests = [s.load.estimator for s in snaps if s.healthy and s.load.estimator is not None]
+        if ests:  # pooled over the instances: one instance's online estimate swings by a third
+            taus = ests[0].taus
+            same = [e.rates for e in ests if e.taus == taus]
+            ctl.set_tokens_per_step(taus, [sum(r) / len(same) for r in zip(*same)])
         slack = [d - now for s in snaps for d in s.load.deadlines]
         current = tuple(i.tp_degree for i in cluster.infos if cluster.engine(i.name).healthy) or \
             tuple(i.tp_degree for i in cluster.infos)

@@ -58,6 +58,8 @@ class Curves:
     latency: np.ndarray  # [R] mean seconds from arrival to finish
     tau: np.ndarray  # [R] mean τ
     capacity: float  # req/s at full batch and the lowest τ allowed
+    taus: np.ndarray | None = None  # [T] descending: the τ grid of `capacity_by_tau`
+    capacity_by_tau: np.ndarray | None = None  # [T] req/s at full batch, everyone at that τ
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +172,8 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
     depth = int(np.clip(np.ceil(slo.max() / max(per_departure, 1e-12)), 1, max_states - slots))
     chain = _Chain(times, mean_t, allowed_j, floor_idx, slo, taus_arr, slots, depth, lowest)
     attainment, latency_s, tau_mean = chain.solve(rates)
-    return Curves(tp, rates, np.clip(attainment, 0.0, 1.0), latency_s, tau_mean, capacity)
+    return Curves(tp, rates, np.clip(attainment, 0.0, 1.0), latency_s, tau_mean, capacity, taus_arr,
+                  slots / mean_t[slots - 1])
 
 
 class _Chain:
@@ -221,8 +224,11 @@ class LayoutPrediction:
     tau: float
 
 
-def evaluate_layouts(layouts: Sequence[tuple[int, ...]], curves: Mapping[int, Curves], rate: float
-                     ) -> list[LayoutPrediction]:
+OVERLOAD_HORIZON_S = 30.0
+
+
+def evaluate_layouts(layouts: Sequence[tuple[int, ...]], curves: Mapping[int, Curves], rate: float,
+                     overload_horizon_s: float | None = OVERLOAD_HORIZON_S) -> list[LayoutPrediction]:
     """Predicted attainment, mean latency and mean τ of each layout (a tuple of TP degrees) at
     `rate` req/s, with the load split as the router splits it (equal latency; see module doc)."""
     tps = sorted(curves)
@@ -266,7 +272,26 @@ def evaluate_layouts(layouts: Sequence[tuple[int, ...]], curves: Mapping[int, Cu
         att = np.where(used, att + w * np.interp(r, cv.rates, cv.attainment) * cv.rates[-1] / beyond, att)
         lat = np.where(used, lat + w * np.interp(r, cv.rates, cv.latency), lat)
         tau = np.where(used, tau + w * np.interp(r, cv.rates, cv.tau), tau)
+    if overload_horizon_s:
+        lat = _overload(counts, [curves[t] for t in tps], rate, overload_horizon_s, lat, tau)
     return [LayoutPrediction(lay, float(a), float(l), float(u)) for lay, a, l, u in zip(layouts, att, lat, tau)]
+
+
+def _overload(counts: np.ndarray, curves: Sequence[Curves], rate: float, horizon_s: float,
+              lat: np.ndarray, tau: np.ndarray) -> np.ndarray:
+    """Past a layout's capacity C (full batches at the mean τ it is predicted to run) nothing is
+    refused, so the late work is still served and a backlog grows at λ − C: a request arriving t
+    seconds into the horizon waits about (1 − C/λ)·t more (the backlog over the rate it drains
+    at). Over `horizon_s` that adds (1 − C/λ)·H/2 to the mean latency, which the chain alone (where
+    a miss costs nothing) does not see; its attainment is left as the chain finds it."""
+    cap = np.zeros(len(counts))
+    for k, cv in enumerate(curves):
+        if cv.capacity_by_tau is None:
+            cap += counts[:, k] * cv.capacity
+        else:  # the grid is descending; np.interp wants it ascending
+            cap += counts[:, k] * np.interp(tau, cv.taus[::-1], cv.capacity_by_tau[::-1])
+    excess = np.maximum(1.0 - cap / rate, 0.0)
+    return lat + excess * horizon_s / 2.0
 
 
 def _inverse(cv: Curves, levels: np.ndarray) -> np.ndarray:

@@ -65,7 +65,11 @@ class ControllerConfig:
     # a jump to a new level that has held for the last half-window is acted on at that half's rate,
     # before the window catches up, when the predicted gain beats the cost by this much (None: wait)
     level_shift_gain: float | None = 0.1
-    sample_size: int = 64  # recent request shapes kept for prediction
+    # request shapes the prediction prices, spread evenly over the window: a heavy-tailed length mix
+    # needs a few hundred for a stable mean service time, and rounds 2 s apart then share most of
+    # their sample (the last 64 alone made the capacity swing by a sixth from round to round)
+    sample_size: int = 256
+    tokens_per_step_smoothing: float = 0.2  # weight of each round's τ -> tokens/step estimate
     bandwidth_gbps: float = opt(100.0, "device-to-device bandwidth (GB/s into each device) the controller assumes "
                                        "for resharding", name="--interconnect-gbps")
     compile_s: float = opt(10.0, "seconds to compile a placement never compiled (the old layout serves meanwhile)")
@@ -86,6 +90,8 @@ class ControllerConfig:
             raise ValueError("settle tolerance must be >= 0 (or None: off)")
         if not 0 < self.target_utilisation <= 1 or self.sample_size < 1 or self.max_migrations < 0:
             raise ValueError("target utilisation in (0, 1], sample size >= 1, max migrations >= 0")
+        if not 0 < self.tokens_per_step_smoothing <= 1:
+            raise ValueError("tokens/step smoothing must be in (0, 1] (1: no smoothing)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +175,11 @@ class ClusterController:
     def set_tokens_per_step(self, taus: Sequence[float], rates: Sequence[float]) -> None:
         """The instances' online τ -> tokens/step estimate (any order of τ)."""
         pairs = sorted(zip(taus, rates), reverse=True)
-        self.taus, self.tokens_per_step = tuple(t for t, _ in pairs), tuple(max(1.0, r) for _, r in pairs)
+        new_taus, new_rates = tuple(t for t, _ in pairs), tuple(max(1.0, r) for _, r in pairs)
+        if new_taus == self.taus:  # smoothed over rounds (from the prior): the estimate follows the
+            a = self.cfg.tokens_per_step_smoothing  # requests in flight, which turn over every few steps
+            new_rates = tuple(a * r + (1 - a) * o for r, o in zip(new_rates, self.tokens_per_step))
+        self.taus, self.tokens_per_step = new_taus, new_rates
 
     def load(self, now: float) -> tuple[float, list[RequestShape]]:
         """(arrival rate over the window, recent request shapes)."""
@@ -180,7 +190,11 @@ class ClusterController:
         if not recent:
             return 0.0, []
         span = min(self.cfg.window_s, max(now - recent[0][0], self.cfg.interval_s))
-        return len(recent) / span, [s for _, s in recent[-self.cfg.sample_size:]]
+        rate, k = len(recent) / span, self.cfg.sample_size
+        if len(recent) > k:  # evenly spaced over the window, the newest always in
+            step = len(recent) / k
+            recent = [recent[len(recent) - 1 - int(i * step)] for i in range(k)][::-1]
+        return rate, [s for _, s in recent]
 
     def load_moving(self, now: float) -> str | None:
         """Why the window's rate is not yet the load (it lags a ramp), or None when it has settled:
@@ -233,8 +247,15 @@ class ClusterController:
         current = tuple(sorted(current, reverse=True))
         cur_text = layout_text(current)
         rate, sample = self.load(now)
-        level = self._level(self._times(now), now) if sample else None
-        rate = rate if level is None else level
+        times = self._times(now)
+        level = self._level(times, now) if sample else None
+        if level is not None:
+            rate = level
+        elif self._first_arrival is not None and now - self._first_arrival >= self.cfg.window_s:
+            # a load that rose within the window is priced at its last half: the window's mean lags a
+            # rise by up to half a window, and under-providing costs more than over-providing
+            half = self.cfg.window_s / 2
+            rate = max(rate, sum(1 for t in times if t >= now - half) / half)
         if len(sample) < 1:
             return self._record(Decision(now, cur_text, cur_text, False, "no arrivals in the window", rate,
                                          seconds=time.perf_counter() - t0))
