@@ -1,4 +1,6 @@
 """The capacity model's arithmetic: beyond its table, and the price of a refresh."""
+from dataclasses import replace
+
 import numpy as np
 
 from dilaserve_jax.core.kinds import StepKind
@@ -34,3 +36,23 @@ def test_a_refresh_is_priced_at_the_mean_group_it_runs_in_and_the_others_refresh
     assert np.isclose(t[0, 0, 0], 2 * 0.010)
     # at 3 present: groups of 1, 2, 3 (padded to 4) cost 10, 10, 13.3 ms a refresh; 3 refreshes a turn
     assert np.isclose(t[2, 0, 0], 2 * 3 * np.mean([0.010, 0.010, 0.040 / 3]))
+
+
+def test_past_capacity_the_backlog_adds_its_mean_wait_over_the_horizon():
+    curves = {1: _curves(1, 5.0)}
+    plain = evaluate_layouts([(1,)], curves, 10.0, overload_horizon_s=None)[0]
+    loaded = evaluate_layouts([(1,)], curves, 10.0, overload_horizon_s=30.0)[0]
+    assert loaded.attainment == plain.attainment  # the chain's attainment is kept
+    # half the arrivals are beyond capacity: the backlog's wait grows to (1 - 5/10)·30 s, 7.5 s on average
+    assert np.isclose(loaded.latency_s - plain.latency_s, (1 - 5.0 / 10.0) * 30.0 / 2)
+    within = [evaluate_layouts([(1,)], curves, 4.0, overload_horizon_s=h)[0].latency_s for h in (None, 30.0)]
+    assert within[0] == within[1]
+
+
+def test_the_backlog_is_priced_at_the_capacity_of_the_tau_the_layout_runs():
+    # full batches serve 5 req/s at τ 0.6 and half that at 0.9; at 10 req/s the layout runs at τ 0.7
+    cv = replace(_curves(1, 5.0), taus=np.array([0.9, 0.6]), capacity_by_tau=np.array([2.5, 5.0]))
+    p = evaluate_layouts([(1,)], {1: cv}, 10.0, overload_horizon_s=30.0)[0]
+    assert np.isclose(p.tau, 0.7)
+    capacity = 5.0 - 2.5 * (0.7 - 0.6) / 0.3
+    assert np.isclose(p.latency_s - 3.0, (1 - capacity / 10.0) * 15.0)

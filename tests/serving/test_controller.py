@@ -161,3 +161,34 @@ def test_layout_restriction_and_missing_fits_are_errors(tp_latency):
     one_tp = LatencyModel.from_profile(fake_tp_profile((1,)))
     with pytest.raises(ValueError, match="no fit for TP"):
         ClusterController(ControllerConfig(), num_devices=8, tp_degrees=(1, 2), latency=one_tp, slots=8, param_bytes=1)
+
+
+def test_the_sample_spreads_over_the_window_and_keeps_the_newest(tp_latency):
+    from dataclasses import replace
+    ctl = make(tp_latency, window_s=10.0, sample_size=4)
+    for i in range(100):  # 10 req/s for 10 s, each arrival a different prompt length
+        ctl.observe(replace(SHAPE, prompt_len=10 + i), i * 0.1)
+    rate, sample = ctl.load(10.0)
+    assert rate == pytest.approx(10.0)
+    assert [s.prompt_len for s in sample] == [34, 59, 84, 109]  # not the last four (106-109)
+
+
+def test_the_tokens_per_step_estimate_is_smoothed_over_rounds(tp_latency):
+    ctl = make(tp_latency)
+    before, a = ctl.tokens_per_step, ctl.cfg.tokens_per_step_smoothing
+    ctl.set_tokens_per_step(ctl.taus, [2 * r for r in before])
+    assert ctl.tokens_per_step == pytest.approx([r * (1 + a) for r in before])
+
+
+def test_a_rise_within_the_window_is_priced_at_its_last_half(tp_latency):
+    ctl = make(tp_latency, window_s=10.0, level_shift_gain=None)
+    t = 0.0
+    while t < 20.0:
+        ctl.observe(SHAPE, t)
+        t += 0.1
+    while t < 23.0:
+        ctl.observe(SHAPE, t)
+        t += 0.025
+    d = ctl.decide(23.0, (8,))
+    # the window holds 7 s at 10 and 3 s at 40 req/s (19 on average); its last 5 s, 28
+    assert d.rate == pytest.approx(28.0, rel=0.05)
