@@ -6,7 +6,7 @@ import pytest
 
 from dilaserve_jax.core.layouts import (binary_partitions, every_placement, layout_text, moved_fraction, parse_layout,
                                         placements)
-from dilaserve_jax.serving.policy.capacity import RequestShape
+from dilaserve_jax.serving.policy.capacity import LayoutPrediction, RequestShape
 from dilaserve_jax.serving.policy.controller import AtRisk, ClusterController, ControllerConfig
 from dilaserve_jax.serving.cluster.fake_runner import fake_tp_profile
 from dilaserve_jax.serving.policy.latency import LatencyModel
@@ -192,3 +192,34 @@ def test_a_rise_within_the_window_is_priced_at_its_last_half(tp_latency):
     d = ctl.decide(23.0, (8,))
     # the window holds 7 s at 10 and 3 s at 40 req/s (19 on average); its last 5 s, 28
     assert d.rate == pytest.approx(28.0, rel=0.05)
+
+
+def _scripted(tp_latency, rounds):
+    """A controller whose predictions follow a script, one {layout: attainment} per round (the
+    current layout 1x8 at 0.5), over a steady 10 req/s; returns its decisions."""
+    ctl = make(tp_latency, window_s=10.0, min_dwell_s=0.0)
+    for i in range(200):
+        ctl.observe(SHAPE, i * 0.1)
+    script = iter(rounds)
+
+    def predict(rate, sample, layouts=None):
+        atts = {(8,): 0.5, **next(script)}
+        return [LayoutPrediction(lay, a, 0.1, 0.9) for lay, a in atts.items()]
+
+    ctl.predict = predict
+    return [ctl.decide(20.0 + 0.1 * k, (8,)) for k in range(len(rounds))]
+
+
+def test_a_switch_needs_rounds_in_a_row_won_by_the_margin(tp_latency):
+    # 2x4 wins every round, but by the margin only every other round: noise, not a better layout
+    flicker = [{(4, 4): 0.7 if k % 2 == 0 else 0.505} for k in range(6)]
+    assert not any(d.switch for d in _scripted(tp_latency, flicker))
+    steady = [{(4, 4): 0.7}] * 2
+    assert [d.switch for d in _scripted(tp_latency, steady)] == [False, True]
+
+
+def test_near_equal_candidates_trading_first_place_still_confirm_a_switch(tp_latency):
+    # 2x4 and 4x2 both beat 1x8 by far and trade first place by less than the hysteresis
+    trading = [{(4, 4): 0.70, (2, 2, 2, 2): 0.705}, {(4, 4): 0.705, (2, 2, 2, 2): 0.70}]
+    decisions = _scripted(tp_latency, trading)
+    assert decisions[-1].switch and decisions[-1].chosen == "4x2"  # the one the streak began with

@@ -20,7 +20,7 @@ Every `interval_s` the cluster (or the simulator) calls `decide(now, current, sn
   requests in flight (a step boundary plus a refresh). Requests whose slack is below the pause are
   charged as misses; the gain counts only after the switch completes, over `horizon_s`.
 - **Decision.** Switch when the predicted gain beats the cost by `hysteresis`, the same layout won
-  `confirmations` rounds in a row, and `min_dwell_s` passed since the last switch, so it does not
+  `confirmations` rounds in a row by that margin, and `min_dwell_s` passed since the last switch, so it does not
   flap. No switch before the load estimate is trusted: `min_arrivals` in the window, and one full
   `window_s` since the first arrival (a rate from the first few seconds of a burst says little, and
   a switch costs a recompilation and a pause). Nor while the load is still moving: when the rate
@@ -59,7 +59,7 @@ class ControllerConfig:
     horizon_s: float = 300.0  # how long a new layout is expected to pay off
     min_dwell_s: float = opt(30.0, "minimum seconds between two layout switches")
     hysteresis: float = 0.02  # objective gain (≈ attainment points / 100) needed beyond the cost
-    confirmations: int = 2  # rounds the same layout must win before a switch
+    confirmations: int = 2  # rounds in a row the same layout must win by the margin before a switch
     min_arrivals: int = 8  # arrivals in the window before any switch
     settle_tolerance: float | None = 0.25  # no switch while the last half-window's rate is off by more (None: off)
     # a jump to a new level that has held for the last half-window is acted on at that half's rate,
@@ -269,7 +269,12 @@ class ClusterController:
 
         ranked = sorted(preds.values(), key=lambda p: (value(p), p.layout == current), reverse=True)
         best = ranked[0]
-        predicted = {layout_text(p.layout): (p.attainment, p.latency_s, p.tau) for p in ranked[:3]}
+        # the layout a streak is confirming stays the target while it is within the hysteresis of the
+        # round's best: near-equal candidates trade first place from round to round with the sample
+        held = next((p for p in ranked if layout_text(p.layout) == self._streak[0]), None)
+        if held is not None and best.layout != current and value(held) >= value(best) - self.cfg.hysteresis:
+            best = held
+        predicted = {layout_text(p.layout): (p.attainment, p.latency_s, p.tau) for p in [best, *ranked[:3]]}
         predicted.setdefault(cur_text, (now_pred.attainment, now_pred.latency_s, now_pred.tau))
         if best.layout == current:
             self._streak = ("", 0)
@@ -284,9 +289,11 @@ class ClusterController:
         cost = (missed + rate * pause_s * tight) / max(1.0, arrivals)
         gain = (value(best) - value(now_pred)) * max(0.0, 1.0 - switch_s / self.cfg.horizon_s)
         best_text = layout_text(best.layout)
-        streak = self._streak[1] + 1 if self._streak[0] == best_text else 1
-        self._streak = (best_text, streak)
         margin = self.cfg.hysteresis if level is None else max(self.cfg.hysteresis, self.cfg.level_shift_gain)
+        # a round confirms a switch only when the same layout wins it by the margin: predictions
+        # move with the sample, and a layout that wins by the margin one round in two is noise
+        streak = self._streak[1] + 1 if self._streak[0] == best_text else 1
+        self._streak = (best_text, streak) if gain > cost + margin else ("", 0)
         if gain <= cost + margin:
             reason = (f"gain {gain:.3f} does not beat cost {cost:.3f} + "
                       + (f"hysteresis {margin:g}" if level is None else f"the level-shift margin {margin:g} (rate of "
