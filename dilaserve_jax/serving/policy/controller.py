@@ -182,7 +182,7 @@ class ClusterController:
         self.taus, self.tokens_per_step = new_taus, new_rates
 
     def load(self, now: float) -> tuple[float, list[RequestShape]]:
-        """(arrival rate over the window, recent request shapes)."""
+        """(arrival rate over the window, up to `sample_size` request shapes spread over it)."""
         with self._lock:
             while self._arrivals and self._arrivals[0][0] < now - self.cfg.window_s:
                 self._arrivals.popleft()
