@@ -178,3 +178,29 @@ def received_per_device(old: Sequence[int], new: Sequence[int]) -> list[float]:
 def moved_fraction(old: Sequence[int], new: Sequence[int]) -> float:
     """Model copies that must arrive on devices to switch from `old` to `new` (summed over devices)."""
     return sum(received_per_device(old, new), 0.0)
+
+
+def is_schedule(layout: str) -> bool:
+    """A simulator layout that is a schedule (`parse_schedule`), not one mesh spec."""
+    return layout.startswith("schedule:")
+
+
+def parse_schedule(text: str) -> list[tuple[float, str]]:
+    """`schedule:1x8@0,8x1@300,...` -> [(0.0, "1x8"), (300.0, "8x1"), ...]: the layouts a run is
+    switched to at the given seconds, whatever the load (an oracle to measure what switching at
+    the right moments is worth). The first entry is at 0; times increase; ValueError otherwise."""
+    form = "a schedule is schedule:LAYOUT@SECONDS,... starting at 0, e.g. schedule:1x8@0,8x1@300"
+    body = text.removeprefix("schedule:")
+    out: list[tuple[float, str]] = []
+    for item in filter(None, body.split(",")):
+        spec, sep, when = item.partition("@")
+        try:
+            t = float(when)
+        except ValueError:
+            raise ValueError(f"bad schedule entry {item!r}: {form}") from None
+        if not sep or not spec or t < 0 or (out and t <= out[-1][0]):
+            raise ValueError(f"bad schedule entry {item!r}: {form}")
+        out.append((t, layout_text(parse_layout(spec))))
+    if not out or out[0][0] != 0:
+        raise ValueError(f"bad schedule {text!r}: {form}")
+    return out

@@ -18,7 +18,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from dilaserve_jax.core.cli import opt, or_none, words
-from dilaserve_jax.core.layouts import binary_partitions, layout_text, parse_layout
+from dilaserve_jax.core.layouts import binary_partitions, is_schedule, layout_text, parse_layout, parse_schedule
 from dilaserve_jax.serving.cluster.autoscale import Autoscaler
 from dilaserve_jax.serving.cluster.builder import InstanceInfo
 from dilaserve_jax.serving.policy.capacity import RequestShape, StepShapes
@@ -358,32 +358,6 @@ class Simulation:
 
 
 SCHEDULED = 4  # an event kind of the simulator's own (after the cluster's four)
-
-
-def is_schedule(layout: str) -> bool:
-    return layout.startswith("schedule:")
-
-
-def parse_schedule(text: str) -> list[tuple[float, str]]:
-    """`schedule:1x8@0,8x1@300,...` -> [(0.0, "1x8"), (300.0, "8x1"), ...]: the layouts a run is
-    switched to at the given seconds, whatever the load (an oracle to measure what switching at
-    the right moments is worth). The first entry is at 0; times increase; ValueError otherwise."""
-    form = "a schedule is schedule:LAYOUT@SECONDS,... starting at 0, e.g. schedule:1x8@0,8x1@300"
-    body = text.removeprefix("schedule:")
-    out: list[tuple[float, str]] = []
-    for item in filter(None, body.split(",")):
-        spec, sep, when = item.partition("@")
-        try:
-            t = float(when)
-        except ValueError:
-            raise ValueError(f"bad schedule entry {item!r}: {form}") from None
-        if not sep or not spec or t < 0 or (out and t <= out[-1][0]):
-            raise ValueError(f"bad schedule entry {item!r}: {form}")
-        parse_layout(spec)
-        out.append((t, layout_text(parse_layout(spec))))
-    if not out or out[0][0] != 0:
-        raise ValueError(f"bad schedule {text!r}: {form}")
-    return out
 
 
 def _shape(s: RequestSpec, cfg: SimConfig) -> RequestShape:

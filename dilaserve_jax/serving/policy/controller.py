@@ -225,7 +225,7 @@ class ClusterController:
             return None
         if _moved(times, now, w / 2, tol) is not None:
             return None
-        return sum(1 for t in times if t >= now - w / 2) / (w / 2)
+        return _rate_since(times, now, w / 2)
 
     # --- the layout decision ---
     def predict(self, rate: float, sample: Sequence[RequestShape],
@@ -254,8 +254,7 @@ class ClusterController:
         elif self._first_arrival is not None and now - self._first_arrival >= self.cfg.window_s:
             # a load that rose within the window is priced at its last half: the window's mean lags a
             # rise by up to half a window, and under-providing costs more than over-providing
-            half = self.cfg.window_s / 2
-            rate = max(rate, sum(1 for t in times if t >= now - half) / half)
+            rate = max(rate, _rate_since(times, now, self.cfg.window_s / 2))
         if len(sample) < 1:
             return self._record(Decision(now, cur_text, cur_text, False, "no arrivals in the window", rate,
                                          seconds=time.perf_counter() - t0))
@@ -391,11 +390,15 @@ def build_seconds(old: Sequence[int], new: Sequence[int], compiled: frozenset[tu
     return cfg.load_s * len(added) + cfg.compile_s * sum(p not in compiled for p in added)
 
 
+def _rate_since(times: Sequence[float], now: float, span: float) -> float:
+    """Arrivals per second over the last `span` seconds."""
+    return sum(1 for t in times if t >= now - span) / span
+
+
 def _moved(times: Sequence[float], now: float, span: float, tol: float) -> tuple[float, float] | None:
     """(rate over the last half of `span`, rate over `span`) when they differ by more than `tol` of
     the larger and by more than 3 Poisson standard deviations of the half's rate; else None."""
-    whole = sum(1 for t in times if t >= now - span) / span
-    recent = sum(1 for t in times if t >= now - span / 2) / (span / 2)
+    whole, recent = _rate_since(times, now, span), _rate_since(times, now, span / 2)
     diff = abs(recent - whole)
     noise = 3.0 * (max(whole, 1e-9) / (span / 2)) ** 0.5
     return (recent, whole) if diff > tol * max(recent, whole) and diff > noise else None
