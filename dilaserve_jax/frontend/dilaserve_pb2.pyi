@@ -141,7 +141,7 @@ class InstanceState(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tp_degree: _Optional[int] = ..., device_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., steps_done: _Optional[int] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., quality: _Optional[_Union[QualityState, _Mapping]] = ..., host: _Optional[str] = ...) -> None: ...
 
 class QualityState(_message.Message):
-    __slots__ = ("budget", "mode", "served", "predicted_loss_mean", "predicted_loss_spent", "allowance", "mean_tau")
+    __slots__ = ("budget", "mode", "served", "predicted_loss_mean", "predicted_loss_spent", "allowance", "mean_tau", "pressure")
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     SERVED_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,7 @@ class QualityState(_message.Message):
     PREDICTED_LOSS_SPENT_FIELD_NUMBER: _ClassVar[int]
     ALLOWANCE_FIELD_NUMBER: _ClassVar[int]
     MEAN_TAU_FIELD_NUMBER: _ClassVar[int]
+    PRESSURE_FIELD_NUMBER: _ClassVar[int]
     budget: float
     mode: str
     served: int
@@ -156,7 +157,8 @@ class QualityState(_message.Message):
     predicted_loss_spent: float
     allowance: float
     mean_tau: float
-    def __init__(self, budget: _Optional[float] = ..., mode: _Optional[str] = ..., served: _Optional[int] = ..., predicted_loss_mean: _Optional[float] = ..., predicted_loss_spent: _Optional[float] = ..., allowance: _Optional[float] = ..., mean_tau: _Optional[float] = ...) -> None: ...
+    pressure: bool
+    def __init__(self, budget: _Optional[float] = ..., mode: _Optional[str] = ..., served: _Optional[int] = ..., predicted_loss_mean: _Optional[float] = ..., predicted_loss_spent: _Optional[float] = ..., allowance: _Optional[float] = ..., mean_tau: _Optional[float] = ..., pressure: _Optional[bool] = ...) -> None: ...
 
 class ClusterState(_message.Message):
     __slots__ = ("layout", "policy", "model", "instances", "serving", "family", "failures", "migrations", "reloads", "in_flight", "controller_mode", "decisions", "reconfigurations", "recent_migrations", "weight_updates", "checkpoint_watch")

@@ -46,6 +46,8 @@ class _ClusterCollector:
         loss_spent = GaugeMetricFamily("dilaserve_predicted_loss_points_spent", "Total predicted accuracy loss, "
                                        "served and running requests", labels=labels)
         mean_tau = GaugeMetricFamily("dilaserve_mean_tau", "Mean threshold over every step run", labels=labels)
+        pressure = GaugeMetricFamily("dilaserve_arrival_pressure", "1 while deadlines are being lost to load and the "
+                                     "budget's spare allowance lowers tau for throughput", labels=labels)
         for inst in state.instances:
             q = inst.quality
             if q is None:
@@ -56,7 +58,8 @@ class _ClusterCollector:
             loss_spent.add_metric(where(inst), q.predicted_loss_spent)
             if q.mean_tau is not None:
                 mean_tau.add_metric(where(inst), q.mean_tau)
-        yield from (budget, loss_mean, loss_spent, mean_tau)
+            pressure.add_metric(where(inst), 1.0 if getattr(q, "pressure", False) else 0.0)
+        yield from (budget, loss_mean, loss_spent, mean_tau, pressure)
         layout = InfoMetricFamily("dilaserve_layout", "Current device layout and policy")
         layout.add_metric([], {"layout": state.layout, "policy": state.policy, "model": state.model})
         per_tp = GaugeMetricFamily("dilaserve_layout_instances", "Instances of the current layout by TP degree",

@@ -355,3 +355,39 @@ def test_feasibility_is_judged_at_the_lowest_tau_the_budget_allows():
         ctl.plan([], [r], 0.0, 1, step_time)
     assert held.lowest_tau(r) == 0.9 and free.lowest_tau(r) == 0.5
     assert free.feasible_at(r, 0.0, 1, step_time) and not held.feasible_at(r, 0.0, 1, step_time)
+
+
+def _pressure_run(share, hopeless_every):
+    """One request a second for 20 s (every `hopeless_every`-th past saving on arrival, the rest with
+    a minute of slack); returns the controller and the τ planned for the last request in time."""
+    from dilaserve_jax.serving.policy.threshold import ThresholdController
+    table = [{"task": "mean:all", "kind": "summary", "threshold": t, "accuracy": a, "tokens_per_step": r,
+              "steps": 64 / r, "n": 1000} for t, a, r in ((1.0, 0.80, 1.0), (0.9, 0.80, 2.0), (0.7, 0.798, 3.2),
+                                                           (0.5, 0.77, 4.7))]
+    quality = QualityConfig(AccuracyModel.from_eval(table), max_accuracy_drop=1.0, confidence_z=0.0,
+                            reference_tau=0.9)
+    ctl = ThresholdController(ThresholdConfig.with_prior({1.0: 1.0, 0.9: 2.0, 0.7: 3.2, 0.5: 4.7}, quality=quality,
+                                                         pressure_at_risk_share=share))
+    tau = None
+    for t in range(20):
+        hopeless = hopeless_every and t % hopeless_every == 0
+        r = req(f"r{t}", float(t), 1e-3 if hopeless else 60.0, tau_min=0.5, tau_max=0.9)
+        plan = ctl.plan([], [r], float(t), 4, lambda kind, batch, r: 0.01 * batch)
+        assert plan[r.id].at_risk == bool(hopeless)
+        if not hopeless:
+            tau = plan[r.id].tau
+        ctl.forget(r.id, served_loss=r.predicted_loss)
+    return ctl, tau
+
+
+def test_arrival_pressure_spends_the_spare_budget_on_speed_only_while_deadlines_are_lost():
+    """With a fifth of the arrivals lost, a request in time with a minute of slack runs at the budget's
+    floor (0.7: 0.2 points of its 1) instead of the free 0.9 its deadline alone asks for; with none lost,
+    or the rule off, it stays at 0.9."""
+    ctl, tau = _pressure_run(0.05, hopeless_every=5)
+    assert ctl.pressure and tau == 0.7
+    assert ctl.quality_snapshot().pressure
+    ctl, tau = _pressure_run(0.05, hopeless_every=0)
+    assert not ctl.pressure and tau == 0.9
+    ctl, tau = _pressure_run(None, hopeless_every=5)
+    assert not ctl.pressure and tau == 0.9

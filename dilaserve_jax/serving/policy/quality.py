@@ -90,11 +90,12 @@ class QualitySnapshot:
     predicted_loss_spent: float  # points, total over those and the active ones
     allowance: float | None  # points the pool may still spend now (None: unbounded)
     mean_tau: float | None  # over every step run
+    pressure: bool = False  # deadlines are being lost to load: spare allowance buys speed (threshold.py)
 
     def as_dict(self) -> dict:
         return {"budget": self.budget, "mode": self.mode, "served": self.served,
                 "predicted_loss_mean": self.predicted_loss_mean, "predicted_loss_spent": self.predicted_loss_spent,
-                "allowance": self.allowance, "mean_tau": self.mean_tau}
+                "allowance": self.allowance, "mean_tau": self.mean_tau, "pressure": self.pressure}
 
 
 @dataclass(slots=True)
@@ -245,7 +246,8 @@ class QualityBudget:
 
     # --- the grant rule ---
     def grant(self, reqs: Sequence, desired: Mapping[str, float], at_risk: Mapping[str, bool],
-              candidates: Mapping[str, Sequence[float]]) -> dict[str, float]:
+              candidates: Mapping[str, Sequence[float]],
+              throughput: Mapping[str, float] | None = None) -> dict[str, float]:
         """Per request the lowest τ it may run at this round.
 
         Free: every candidate that costs nothing. A request whose deadline needs a τ that costs
@@ -253,7 +255,9 @@ class QualityBudget:
         budget) covers the predicted cost of finishing at that τ; otherwise it stays at its lowest
         free τ. Requests at risk ask after every request still in time: a late request run fast
         frees its slot sooner for the others, so what the budget has left is spent on that (held at
-        its free τ, a request past saving keeps its slot longest). Mode `floor`: the fixed floor for
+        its free τ, a request past saving keeps its slot longest). `throughput`: a lower τ each
+        request is asked to run at for the arrivals behind it (arrival pressure), granted with what
+        is left after every deadline's ask, cheapest first. Mode `floor`: the fixed floor for
         everyone.
         """
         floors: dict[str, float] = {}
@@ -267,6 +271,7 @@ class QualityBudget:
                 asks.append((at_risk.get(r.id, False), self.cost(r, want), r.deadline, r, want))
         bounded = self.cfg.max_accuracy_drop is not None
         spent, scatter, n = self._pool() if bounded else (0.0, 0.0, 0)
+        added: dict[str, float] = {}  # predicted loss each pooled grant adds this round
         for _, cost, _, r, want in sorted(asks, key=lambda a: a[:3]):
             if self.pooled(r):
                 if not bounded:
@@ -277,6 +282,24 @@ class QualityBudget:
                 if self._within(spent + cost, new_scatter, n):
                     floors[r.id] = want
                     spent, scatter = spent + cost, new_scatter
+                    added[r.id] = cost
             elif r.predicted_loss + cost <= self.budget_of(r) + 1e-12:
                 floors[r.id] = want
+        if throughput:
+            extra = []
+            for r in reqs:
+                want = throughput.get(r.id)
+                if want is not None and want < floors[r.id] - 1e-12:
+                    extra.append((self.cost(r, want) - self.cost(r, floors[r.id]), r.deadline, r, want))
+            for cost, _, r, want in sorted(extra, key=lambda a: a[:2]):
+                if self.pooled(r) and not bounded:
+                    floors[r.id] = want
+                elif self.pooled(r):
+                    old = r.predicted_loss + added.get(r.id, 0.0)
+                    new_scatter = scatter - old * (100.0 - old) + (old + cost) * (100.0 - old - cost)
+                    if self._within(spent + cost, new_scatter, n):
+                        floors[r.id] = want
+                        spent, scatter = spent + cost, new_scatter
+                elif r.predicted_loss + self.cost(r, want) <= self.budget_of(r) + 1e-12:
+                    floors[r.id] = want
         return floors

@@ -32,7 +32,9 @@ made again with those floors. Every step's commits are charged to the request's 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -72,6 +74,11 @@ class ThresholdController:
     _priced_with: StepTime | None = None  # the step-time function _time_memo holds prices of
     _scaled: bool = False  # it is a ScaledStepTime: _cost_memo holds its base times, unscaled
     _unplanned_memo: dict[str, Decision] = field(default_factory=dict)  # queued, unplanned: its decision
+    pressure: bool = False  # deadlines are being lost to load: the budget's spare allowance buys speed
+    _arrived: deque = field(default_factory=deque)  # when each request was first planned, oldest first
+    _seen: set[str] = field(default_factory=set)  # ids whose arrival is counted
+    _stressed: deque = field(default_factory=deque)  # (when, id) of the requests found at risk, oldest first
+    _stressed_ids: set[str] = field(default_factory=set)
     _cands_memo: dict[tuple[float, float], tuple[float, ...]] = field(default_factory=dict)  # (τ_min, τ_max) ->
 
     def __post_init__(self) -> None:
@@ -122,11 +129,12 @@ class ThresholdController:
         self._lowest.pop(req_id, None)
         self._last_tau.pop(req_id, None)
         self._floors.pop(req_id, None)
+        self._seen.discard(req_id)
         if self.budget is not None:
             self.budget.forget(req_id, served_loss, served=served_loss is not None)
 
     def quality_snapshot(self) -> QualitySnapshot | None:
-        return None if self.budget is None else self.budget.snapshot()
+        return None if self.budget is None else dataclasses.replace(self.budget.snapshot(), pressure=self.pressure)
 
     def candidates(self, req: Request) -> tuple[float, ...]:
         key = (req.tau_min, req.tau_max)
@@ -294,17 +302,22 @@ class ThresholdController:
                 risky.add(req.id)
         self._floors = {}
         cap, best = self._solve(active, fracs, risky, now, num_slots, free, step_time)
+        self.pressure = self._under_pressure(active, best, risky, now)
         if self.budget is not None:
             reqs = [r for r, _ in active]
             for r in reqs:
                 self.budget.join(r)
+            wants = ({r.id: self.budget.floor(r, self.candidates(r)) for r in reqs} if self.pressure else None)
             floors = self.budget.grant(reqs, {rid: d.tau for rid, d in best.items()},
                                        {rid: d.at_risk or rid in risky for rid, d in best.items()},
-                                       {r.id: self.candidates(r) for r in reqs})
+                                       {r.id: self.candidates(r) for r in reqs}, throughput=wants)
             self._lowest.update(floors)
             if any(best[rid].tau < f - 1e-12 for rid, f in floors.items()):
                 self._floors = floors
                 cap, best = self._solve(active, fracs, risky, now, num_slots, free, step_time)
+            if wants:  # run at the budget's floor where it granted it (the deadlines alone need no more)
+                best = {rid: d if (t := max(floors[rid], wants[rid])) >= d.tau else
+                        Decision(t, d.at_risk, d.predicted_finish, d.predicted_start) for rid, d in best.items()}
         best = {rid: (Decision(d.tau, True, d.predicted_finish, d.predicted_start) if rid in risky else d)
                 for rid, d in best.items()}
         self.cap = cap
@@ -312,6 +325,26 @@ class ThresholdController:
         for req, _ in active:
             req.at_risk = best[req.id].at_risk
         return self._unplanned(beyond, now, best)
+
+    def _under_pressure(self, active, best: dict[str, Decision], risky: set[str], now: float) -> bool:
+        """Whether deadlines are being lost to load: of the requests planned over the last
+        `pressure_window_s`, at least `pressure_at_risk_share` were at risk at some plan (too few
+        requests seen, or no budget to pay for a lower τ: no)."""
+        win, share = self.cfg.pressure_window_s, self.cfg.pressure_at_risk_share
+        for req, _ in active:
+            if req.id not in self._seen:
+                self._seen.add(req.id)
+                self._arrived.append(now)
+            if (risky and req.id in risky or best[req.id].at_risk) and req.id not in self._stressed_ids:
+                self._stressed_ids.add(req.id)
+                self._stressed.append((now, req.id))
+        while self._arrived and self._arrived[0] < now - win:
+            self._arrived.popleft()
+        while self._stressed and self._stressed[0][0] < now - win:
+            self._stressed_ids.discard(self._stressed.popleft()[1])
+        if share is None or self.budget is None or len(self._arrived) < 8:
+            return False
+        return len(self._stressed) >= share * len(self._arrived)
 
     def _feasibility(self, now: float, step_time: StepTime) -> Callable[..., bool]:
         """`feasible_at(req, now + lead, batch, step_time)` for one round's plan, each request's steps

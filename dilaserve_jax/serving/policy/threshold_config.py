@@ -30,6 +30,12 @@ class ThresholdConfig:
     # queued requests planned per round, in deadline order, as a multiple of the slots: the rest
     # cannot start before these finish, so planning them each round only costs time at deep queues
     plan_depth: int = 4
+    # arrival pressure: when at least this share of the requests planned over the last
+    # `pressure_window_s` were at risk, deadlines are being lost to load, and every request is asked
+    # to run at the budget's fixed floor — granted after every deadline's ask, cheapest first, so
+    # only what the budget has left buys speed for the arrivals behind (None: off; off without a budget)
+    pressure_at_risk_share: float | None = 0.05
+    pressure_window_s: float = 20.0
 
     def __post_init__(self) -> None:
         if not self.grid or any(not 0 < t <= 1 for t in self.grid):
@@ -40,6 +46,9 @@ class ThresholdConfig:
             raise ValueError("prior tokens/step must be >= 1 (at least the argmax commits)")
         if self.plan_depth < 1:
             raise ValueError("plan_depth must be >= 1")
+        if self.pressure_at_risk_share is not None and not 0 <= self.pressure_at_risk_share <= 1 \
+                or not self.pressure_window_s > 0:
+            raise ValueError("pressure share must be in [0, 1] (or None: off), its window > 0 seconds")
         if not 0 <= self.refresh_alignment <= 1:
             raise ValueError("refresh_alignment must be in [0, 1]")
         if not (0 < self.ema <= 1 and 0 < self.request_ema <= 1 and self.safety >= 1):
