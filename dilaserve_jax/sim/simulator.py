@@ -214,9 +214,14 @@ class Simulation:
         if "migration" in self.cfg.ablate:
             ccfg = replace(ccfg, max_migrations=0)
         tps = sorted({t for lay in layouts for t in lay})
+        quality = self._tcfg.quality if self.cfg.policy == "dilaserve" else None
+        # layouts are priced down to the budget's floor, as serve prices them (`build.tau_floor`)
+        floor = self.cfg.tau_min if quality is None else \
+            quality.free_floor(self.cfg.tau_min, self.cfg.tau_max, self._tcfg.grid)
         return ClusterController(ccfg, num_devices=self.cfg.devices, tp_degrees=tps, latency=self.latency,
                                  slots=self.cfg.slots, param_bytes=int(self.param_bytes), layouts=list(layouts),
-                                 tau_floor=self.cfg.tau_min, prior=self.prior,
+                                 tau_floor=floor, prior=self.prior,
+                                 pressure_share=None if quality is None else self._tcfg.pressure_at_risk_share,
                                  shapes=StepShapes(getattr(self.step_time, "length_buckets", ()),
                                                    getattr(self.step_time, "batch_buckets", ())))
 

@@ -56,3 +56,31 @@ def test_the_backlog_is_priced_at_the_capacity_of_the_tau_the_layout_runs():
     assert np.isclose(p.tau, 0.7)
     capacity = 5.0 - 2.5 * (0.7 - 0.6) / 0.3
     assert np.isclose(p.latency_s - 3.0, (1 - capacity / 10.0) * 15.0)
+
+
+def test_a_loaded_instance_is_priced_at_the_floor_up_to_its_capacity_under_arrival_pressure():
+    """Instances whose arrival-pressure rule is on run everyone at the floor once deadlines are lost:
+    below the floor's capacity the chain prices that (τ at the floor, attainment no lower); above it
+    the prediction is the plain chain's, and the backlog is priced at the floor's capacity."""
+    from dilaserve_jax.serving.policy.capacity import instance_curves
+
+    class Linear:  # a step costs 5 ms per padded request
+        def round_many(self, kind, batch, canvas, block, tp):
+            return 0.005 * (np.asarray(batch, dtype=np.float64) + 0 * np.asarray(canvas))
+
+    rng = np.random.default_rng(0)
+    sample = [RequestShape(prompt_len=int(p), answer_len=64, block_len=32, slo_s=float(s))
+              for p, s in zip(rng.integers(100, 400, 64), rng.uniform(0.1, 0.4, 64))]
+    args = (Linear(), 1, sample, 8, (0.9, 0.7, 0.5), (2.0, 3.2, 4.7))
+    plain = instance_curves(*args, tau_floor=0.5)
+    pressed = instance_curves(*args, tau_floor=0.5, pressure_share=0.05)
+    assert pressed.pressed and not plain.pressed
+    on = (1 - plain.attainment >= 0.05) & (plain.rates <= plain.capacity)
+    assert on.any() and (~on).any()
+    assert np.allclose(pressed.tau[on], 0.5) and np.all(pressed.attainment[on] >= plain.attainment[on] - 1e-9)
+    assert np.array_equal(pressed.attainment[~on], plain.attainment[~on])
+    # the backlog term uses the floor's capacity, not the capacity at the τ the chain predicts
+    over = 1.5 * plain.capacity
+    p = evaluate_layouts([(1,)], {1: pressed}, over, overload_horizon_s=30.0)[0]
+    q = evaluate_layouts([(1,)], {1: pressed}, over, overload_horizon_s=None)[0]
+    assert np.isclose(p.latency_s - q.latency_s, (1 - plain.capacity / over) * 15.0)

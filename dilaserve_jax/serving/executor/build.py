@@ -255,7 +255,8 @@ def start_controller(cluster: Cluster, builder: JaxInstanceBuilder, cfg: ServeCo
     ctl = ClusterController(cfg.controller_config, num_devices=len(builder.layout.devices), tp_degrees=tps,
                             latency=dict(builder.latency), slots=cfg.slots,
                             param_bytes=_param_bytes(builder.model.config), layouts=cfg.layouts or None,
-                            tau_floor=floor, prior=dict(builder.threshold.prior), shapes=step_shapes(builder))
+                            tau_floor=floor, prior=dict(builder.threshold.prior), shapes=step_shapes(builder),
+                            pressure_share=pressure_share(builder, cfg))
     cluster.autoscaler.set_controller(ctl)
     say(f"controller: {cfg.controller}, {len(ctl.candidates)} candidate layouts over TP {tps}; prices layouts at "
         f"τ down to {floor:g} (the lowest the accuracy budget allows)")
@@ -274,6 +275,13 @@ def tau_floor(builder: JaxInstanceBuilder, cfg: ServeConfig) -> float:
         quality.free_floor(cfg.tau_min, cfg.tau_max, builder.threshold.grid)
 
 
+def pressure_share(builder: JaxInstanceBuilder, cfg: ServeConfig) -> float | None:
+    """The instances' arrival-pressure share, for the controller's prediction (None where the rule
+    cannot act: another policy, or no accuracy budget)."""
+    t = builder.threshold
+    return t.pressure_at_risk_share if cfg.policy == "dilaserve" and t.quality is not None else None
+
+
 def control_inputs(builder: JaxInstanceBuilder) -> ControlInputs:
     """What the controller needs of these devices once warm (a host of a multi-host server sends
     it to its leader), from the builder's settings."""
@@ -281,7 +289,7 @@ def control_inputs(builder: JaxInstanceBuilder) -> ControlInputs:
     tps = controlled_tp_degrees(builder, cfg)
     return ControlInputs(len(builder.layout.devices), tuple(tps), {t: builder.latency[t] for t in tps}, cfg.slots,
                          _param_bytes(builder.model.config), tau_floor(builder, cfg), dict(builder.threshold.prior),
-                         step_shapes(builder))
+                         step_shapes(builder), pressure_share(builder, cfg))
 
 
 def step_shapes(builder: JaxInstanceBuilder) -> StepShapes:

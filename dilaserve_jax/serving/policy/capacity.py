@@ -60,6 +60,7 @@ class Curves:
     capacity: float  # req/s at full batch and the lowest τ allowed
     taus: np.ndarray | None = None  # [T] descending: the τ grid of `capacity_by_tau`
     capacity_by_tau: np.ndarray | None = None  # [T] req/s at full batch, everyone at that τ
+    pressed: bool = False  # a loaded instance runs everyone at the floor (arrival pressure)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +139,7 @@ def service_times(latency: LatencyModel, tp: int, sample: Sequence[RequestShape]
 def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShape], slots: int,
                     taus: Sequence[float], tokens_per_step: Sequence[float], *, tau_floor: float,
                     target_utilisation: float = 0.85, shapes: StepShapes | None = None,
-                    max_states: int = 1024) -> Curves:
+                    max_states: int = 1024, pressure_share: float | None = None) -> Curves:
     """Tabulate one TP-`tp` instance over arrival rates up to twice its capacity (see module doc).
 
     The instance is a birth-death chain on the requests in time it holds (n): with n present,
@@ -149,7 +150,12 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
     miss and does not join: it runs at its floor on spare capacity, behind the requests in time
     (a late request waits unplanned). Attainment, latency and τ are the arrival-weighted means
     over the chain's stationary distribution at each rate. `target_utilisation` is unused (the
-    chain finds where τ must drop)."""
+    chain finds where τ must drop).
+
+    `pressure_share`: the instances' arrival-pressure rule (`ThresholdConfig.pressure_at_risk_share`):
+    where the chain misses at least that share of the arrivals, every request runs at its floor
+    (the budget's), so the rate is read off a second chain in which each arrival takes its floor
+    whatever its deadline allows — up to the capacity at the floor (see the comment below)."""
     if not sample:
         raise ValueError("need at least one sampled request")
     taus_arr = np.asarray(taus, dtype=np.float64)  # descending
@@ -172,8 +178,17 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
     depth = int(np.clip(np.ceil(slo.max() / max(per_departure, 1e-12)), 1, max_states - slots))
     chain = _Chain(times, mean_t, allowed_j, floor_idx, slo, taus_arr, slots, depth, lowest)
     attainment, latency_s, tau_mean = chain.solve(rates)
+    if pressure_share is not None:
+        at_floor = allowed_j & (np.arange(len(taus_arr))[:, None] == floor_idx[None, :])
+        pressed = _Chain(times, mean_t, at_floor, floor_idx, slo, taus_arr, slots, depth, lowest).solve(rates)
+        # only up to the capacity at the floor: beyond it the backlog of late work, which the chain
+        # lets leave without cost, sets attainment, and all-at-the-floor would hide it (a blend
+        # over the next quarter of the capacity was tried: it moved the cliff, not the detours)
+        on = (1.0 - attainment >= pressure_share) & (rates <= capacity)
+        attainment, latency_s, tau_mean = (np.where(on, p, n) for p, n in zip(pressed, (attainment, latency_s,
+                                                                                        tau_mean)))
     return Curves(tp, rates, np.clip(attainment, 0.0, 1.0), latency_s, tau_mean, capacity, taus_arr,
-                  slots / mean_t[slots - 1])
+                  slots / mean_t[slots - 1], pressed=pressure_share is not None)
 
 
 class _Chain:
@@ -286,7 +301,7 @@ def _overload(counts: np.ndarray, curves: Sequence[Curves], rate: float, horizon
     a miss costs nothing) does not see; its attainment is left as the chain finds it."""
     cap = np.zeros(len(counts))
     for k, cv in enumerate(curves):
-        if cv.capacity_by_tau is None:
+        if cv.capacity_by_tau is None or cv.pressed:  # under pressure a backlog runs everyone at the floor
             cap += counts[:, k] * cv.capacity
         else:  # the grid is descending; np.interp wants it ascending
             cap += counts[:, k] * np.interp(tau, cv.taus[::-1], cv.capacity_by_tau[::-1])

@@ -141,9 +141,13 @@ class ClusterController:
     def __init__(self, cfg: ControllerConfig, *, num_devices: int, tp_degrees: Sequence[int],
                  latency: LatencyModel | Mapping[int, LatencyModel], slots: int, param_bytes: int,
                  layouts: Sequence[str | Sequence[int]] | None = None, tau_floor: float = 0.5,
-                 prior: Mapping[float, float] | None = None, shapes: StepShapes | None = None) -> None:
+                 prior: Mapping[float, float] | None = None, shapes: StepShapes | None = None,
+                 pressure_share: float | None = None) -> None:
         self.cfg = cfg
         self.shapes = shapes  # how the decoder batches (buckets); None: one batch at each request's canvas
+        # the instances' arrival-pressure share (ThresholdConfig.pressure_at_risk_share): a loaded
+        # instance runs everyone at `tau_floor`, the budget's floor (None: instances do not)
+        self.pressure_share = pressure_share
         self.num_devices, self.slots, self.param_bytes, self.tau_floor = num_devices, slots, param_bytes, tau_floor
         self.tp_degrees = tuple(sorted(t for t in set(tp_degrees) if t <= num_devices))
         if not self.tp_degrees:
@@ -234,7 +238,7 @@ class ClusterController:
         needed = sorted({t for lay in layouts for t in lay})
         curves = {t: instance_curves(self._model(t), t, sample, self.slots, self.taus, self.tokens_per_step,
                                      tau_floor=self.tau_floor, target_utilisation=self.cfg.target_utilisation,
-                                     shapes=self.shapes)
+                                     shapes=self.shapes, pressure_share=self.pressure_share)
                   for t in needed}
         return evaluate_layouts(layouts, curves, rate)
 

@@ -54,6 +54,7 @@ class ControlInputs:
     tau_floor: float
     prior: Mapping[float, float] = field(default_factory=dict)  # τ -> tokens/step
     shapes: StepShapes | None = None  # how its decoders batch (None: one batch at each request's canvas)
+    pressure_share: float | None = None  # its instances' arrival-pressure share (None: the rule is off)
 
 
 class HostsController(ClusterController):
@@ -61,14 +62,15 @@ class HostsController(ClusterController):
                  latency: LatencyModel | Mapping[int, LatencyModel], slots: int, param_bytes: int,
                  layouts: Sequence[str] | None = None, tau_floor: float = 0.5,
                  prior: Mapping[float, float] | None = None, shapes: StepShapes | None = None,
-                 max_candidates: int = MAX_CANDIDATES) -> None:
+                 max_candidates: int = MAX_CANDIDATES, pressure_share: float | None = None) -> None:
         """`hosts()`: the live hosts in the order `Cluster.reconfigure` takes their parts;
         `layouts`: mesh specs a host may run (each host those that cover its devices)."""
         live = list(hosts())
         if not live:
             raise ValueError("no live host to control")
         super().__init__(cfg, num_devices=max(h.devices for h in live), tp_degrees=tp_degrees, latency=latency,
-                         slots=slots, param_bytes=param_bytes, tau_floor=tau_floor, prior=prior, shapes=shapes)
+                         slots=slots, param_bytes=param_bytes, tau_floor=tau_floor, prior=prior, shapes=shapes,
+                         pressure_share=pressure_share)
         self.hosts_now, self.allowed, self.max_candidates = hosts, tuple(layouts or ()), max_candidates
         self._flat: dict[tuple, list[tuple[int, ...]]] = {}  # per-host options -> candidates
         self._current: HostsLayout = ()

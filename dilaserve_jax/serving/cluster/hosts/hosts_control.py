@@ -43,7 +43,8 @@ def hosts_controller(hosts: "RayHosts", cfg: ControllerConfig, layouts: Sequence
     first = inputs[0]
     return HostsController(cfg, hosts=lambda: host_slices(hosts), tp_degrees=sorted(latency), latency=latency,
                            slots=first.slots, param_bytes=first.param_bytes, layouts=layouts or None,
-                           tau_floor=first.tau_floor, prior=dict(first.prior) or None, shapes=first.shapes)
+                           tau_floor=first.tau_floor, prior=dict(first.prior) or None, shapes=first.shapes,
+                           pressure_share=first.pressure_share)
 
 
 def start_hosts_controller(hosts: "RayHosts", cfg: ControllerConfig, mode: str = "auto",
