@@ -59,7 +59,10 @@ class ControllerConfig:
     horizon_s: float = 300.0  # how long a new layout is expected to pay off
     min_dwell_s: float = opt(30.0, "minimum seconds between two layout switches")
     hysteresis: float = 0.02  # objective gain (≈ attainment points / 100) needed beyond the cost
-    confirmations: int = 2  # rounds in a row the same layout must win by the margin before a switch
+    # rounds in a row the same layout must win by the margin before a switch: rounds 2 s apart share
+    # most of their sample, so two in a row confirmed a sample's fluke (a layout at the edge of its
+    # capacity looked overloaded for one window and was left for 40 s: 2.5-3 points over 180 s)
+    confirmations: int = 5
     min_arrivals: int = 8  # arrivals in the window before any switch
     settle_tolerance: float | None = 0.25  # no switch while the last half-window's rate is off by more (None: off)
     # a jump to a new level that has held for the last half-window is acted on at that half's rate,
