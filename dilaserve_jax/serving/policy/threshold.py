@@ -29,6 +29,12 @@ Quality budget (`ThresholdConfig.quality`, see `quality.py`): the plan above giv
 τ its deadline (and the queue) needs; where that τ is predicted to cost accuracy, the budget grants
 it (cheapest first, within the allowance) or holds the request at its lowest free τ, and the plan is
 made again with those floors. Every step's commits are charged to the request's predicted loss.
+
+Arrival pressure: the deadlines in hand never ask for speed on behalf of the arrivals behind them.
+When at least `pressure_at_risk_share` of the requests planned over the last `pressure_window_s`
+were at risk, deadlines are being lost to load, and every request also asks for the budget's fixed
+floor; the budget grants those asks after every deadline's (`QualityBudget.grant(throughput=...)`),
+so only the allowance left over buys speed, and the request runs at the lower τ where granted.
 """
 from __future__ import annotations
 
