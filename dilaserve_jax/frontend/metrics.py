@@ -58,7 +58,7 @@ class _ClusterCollector:
             loss_spent.add_metric(where(inst), q.predicted_loss_spent)
             if q.mean_tau is not None:
                 mean_tau.add_metric(where(inst), q.mean_tau)
-            pressure.add_metric(where(inst), 1.0 if getattr(q, "pressure", False) else 0.0)
+            pressure.add_metric(where(inst), 1.0 if q.pressure else 0.0)
         yield from (budget, loss_mean, loss_spent, mean_tau, pressure)
         layout = InfoMetricFamily("dilaserve_layout", "Current device layout and policy")
         layout.add_metric([], {"layout": state.layout, "policy": state.policy, "model": state.model})

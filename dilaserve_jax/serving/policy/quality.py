@@ -272,34 +272,29 @@ class QualityBudget:
         bounded = self.cfg.max_accuracy_drop is not None
         spent, scatter, n = self._pool() if bounded else (0.0, 0.0, 0)
         added: dict[str, float] = {}  # predicted loss each pooled grant adds this round
-        for _, cost, _, r, want in sorted(asks, key=lambda a: a[:3]):
-            if self.pooled(r):
-                if not bounded:
+
+        def ask(r, want: float, cost: float) -> None:
+            """Grant `want` if the pool (or the request's own budget) covers `cost` more."""
+            nonlocal spent, scatter
+            if not self.pooled(r):
+                if r.predicted_loss + self.cost(r, want) <= self.budget_of(r) + 1e-12:
                     floors[r.id] = want
-                    continue
-                old = r.predicted_loss
-                new_scatter = scatter - old * (100.0 - old) + (old + cost) * (100.0 - old - cost)
-                if self._within(spent + cost, new_scatter, n):
-                    floors[r.id] = want
-                    spent, scatter = spent + cost, new_scatter
-                    added[r.id] = cost
-            elif r.predicted_loss + cost <= self.budget_of(r) + 1e-12:
+                return
+            if not bounded:
                 floors[r.id] = want
-        if throughput:
-            extra = []
-            for r in reqs:
-                want = throughput.get(r.id)
-                if want is not None and want < floors[r.id] - 1e-12:
-                    extra.append((self.cost(r, want) - self.cost(r, floors[r.id]), r.deadline, r, want))
+                return
+            old = r.predicted_loss + added.get(r.id, 0.0)
+            new_scatter = scatter - old * (100.0 - old) + (old + cost) * (100.0 - old - cost)
+            if self._within(spent + cost, new_scatter, n):
+                floors[r.id] = want
+                spent, scatter = spent + cost, new_scatter
+                added[r.id] = added.get(r.id, 0.0) + cost
+
+        for _, cost, _, r, want in sorted(asks, key=lambda a: a[:3]):
+            ask(r, want, cost)
+        if throughput:  # after every deadline's ask, priced from the floor each was left at
+            extra = [(self.cost(r, w) - self.cost(r, floors[r.id]), r.deadline, r, w) for r in reqs
+                     if (w := throughput.get(r.id)) is not None and w < floors[r.id] - 1e-12]
             for cost, _, r, want in sorted(extra, key=lambda a: a[:2]):
-                if self.pooled(r) and not bounded:
-                    floors[r.id] = want
-                elif self.pooled(r):
-                    old = r.predicted_loss + added.get(r.id, 0.0)
-                    new_scatter = scatter - old * (100.0 - old) + (old + cost) * (100.0 - old - cost)
-                    if self._within(spent + cost, new_scatter, n):
-                        floors[r.id] = want
-                        spent, scatter = spent + cost, new_scatter
-                elif r.predicted_loss + self.cost(r, want) <= self.budget_of(r) + 1e-12:
-                    floors[r.id] = want
+                ask(r, want, cost)
         return floors

@@ -40,12 +40,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from dilaserve_jax.serving.policy.plan_pass import (BY_DEADLINE, Candidate, Decision, boundary,
                                                     first_at_or_below, misses, schedule_pass)
+from dilaserve_jax.serving.policy.pressure import PressureWindow
 from dilaserve_jax.serving.policy.quality import QualityBudget, QualitySnapshot
 from dilaserve_jax.serving.policy.threshold_config import ThresholdConfig, TokensPerStep
 from dilaserve_jax.serving.policy.request import Request, steps_left
@@ -81,10 +81,7 @@ class ThresholdController:
     _scaled: bool = False  # it is a ScaledStepTime: _cost_memo holds its base times, unscaled
     _unplanned_memo: dict[str, Decision] = field(default_factory=dict)  # queued, unplanned: its decision
     pressure: bool = False  # deadlines are being lost to load: the budget's spare allowance buys speed
-    _arrived: deque = field(default_factory=deque)  # when each request was first planned, oldest first
-    _seen: set[str] = field(default_factory=set)  # ids whose arrival is counted
-    _stressed: deque = field(default_factory=deque)  # (when, id) of the requests found at risk, oldest first
-    _stressed_ids: set[str] = field(default_factory=set)
+    _pressure: PressureWindow | None = None  # from cfg (pressure.py)
     _cands_memo: dict[tuple[float, float], tuple[float, ...]] = field(default_factory=dict)  # (τ_min, τ_max) ->
 
     def __post_init__(self) -> None:
@@ -92,6 +89,8 @@ class ThresholdController:
             self.tps = TokensPerStep(self.cfg)
         if self.budget is None and self.cfg.quality is not None:
             self.budget = QualityBudget(self.cfg.quality)
+        if self._pressure is None:
+            self._pressure = PressureWindow(self.cfg.pressure_window_s, self.cfg.pressure_at_risk_share)
 
     # --- online estimates ---
     def observe(self, req: Request, tau: float, n_committed: int, block_finished: bool, *,
@@ -135,7 +134,7 @@ class ThresholdController:
         self._lowest.pop(req_id, None)
         self._last_tau.pop(req_id, None)
         self._floors.pop(req_id, None)
-        self._seen.discard(req_id)
+        self._pressure.forget(req_id)
         if self.budget is not None:
             self.budget.forget(req_id, served_loss, served=served_loss is not None)
 
@@ -308,7 +307,8 @@ class ThresholdController:
                 risky.add(req.id)
         self._floors = {}
         cap, best = self._solve(active, fracs, risky, now, num_slots, free, step_time)
-        self.pressure = self._under_pressure(active, best, risky, now)
+        self.pressure = self.budget is not None and self._pressure.observe(
+            (r.id for r, _ in active), (rid for rid, d in best.items() if rid in risky or d.at_risk), now)
         if self.budget is not None:
             reqs = [r for r, _ in active]
             for r in reqs:
@@ -331,26 +331,6 @@ class ThresholdController:
         for req, _ in active:
             req.at_risk = best[req.id].at_risk
         return self._unplanned(beyond, now, best)
-
-    def _under_pressure(self, active, best: dict[str, Decision], risky: set[str], now: float) -> bool:
-        """Whether deadlines are being lost to load: of the requests planned over the last
-        `pressure_window_s`, at least `pressure_at_risk_share` were at risk at some plan (too few
-        requests seen, or no budget to pay for a lower τ: no)."""
-        win, share = self.cfg.pressure_window_s, self.cfg.pressure_at_risk_share
-        for req, _ in active:
-            if req.id not in self._seen:
-                self._seen.add(req.id)
-                self._arrived.append(now)
-            if (risky and req.id in risky or best[req.id].at_risk) and req.id not in self._stressed_ids:
-                self._stressed_ids.add(req.id)
-                self._stressed.append((now, req.id))
-        while self._arrived and self._arrived[0] < now - win:
-            self._arrived.popleft()
-        while self._stressed and self._stressed[0][0] < now - win:
-            self._stressed_ids.discard(self._stressed.popleft()[1])
-        if share is None or self.budget is None or len(self._arrived) < 8:
-            return False
-        return len(self._stressed) >= share * len(self._arrived)
 
     def _feasibility(self, now: float, step_time: StepTime) -> Callable[..., bool]:
         """`feasible_at(req, now + lead, batch, step_time)` for one round's plan, each request's steps
