@@ -170,8 +170,7 @@ def ranking(cfg: CalibrateConfig, rows: list[dict]) -> list[dict]:
         if not at:
             continue
         ref = max(min(r["pred_latency"] for r in at), 1e-9)
-        first = max(at, key=lambda r: r["pred_attainment"] + ccfg.tau_weight * r["pred_tau"]
-                    - ccfg.latency_weight * r["pred_latency"] / ref)
+        first = max(at, key=lambda r: ccfg.value(r["pred_attainment"], r["pred_tau"], r["pred_latency"], ref))
         best = max(at, key=lambda r: (r["sim_attainment"], -r["sim_latency"]))
         gap = 100 * (best["sim_attainment"] - first["sim_attainment"])
         out.append({"rate": rate, "ranked_first": first["layout"], "simulated_best": best["layout"],

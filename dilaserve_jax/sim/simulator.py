@@ -30,7 +30,8 @@ from dilaserve_jax.serving.policy.latency import LatencyModel
 from dilaserve_jax.serving.policy.limits import DEFAULT_MAX_QUEUE
 from dilaserve_jax.serving.policy.quality import BUDGET_MODES
 from dilaserve_jax.serving.policy.request import Request, RequestState
-from dilaserve_jax.serving.policy.scheduler import OVERLOAD_RULES, POLICIES, Scheduler, SchedulerConfig
+from dilaserve_jax.serving.policy.scheduler import (OVERLOAD_RULES, OVERLOAD_RULES_OFF, POLICIES, Scheduler,
+                                                    SchedulerConfig)
 from dilaserve_jax.serving.policy.threshold import ThresholdConfig
 from dilaserve_jax.sim.cluster import ARRIVAL, CONTROL, SWITCH, SimCluster, SimInstance, SwitchCost
 from dilaserve_jax.sim.executor import ModelledRunner, StepTimeModel, VirtualClock, advance
@@ -60,9 +61,11 @@ class SimConfig:
     tau_min: float = opt(0.6, "per-request τ floor")
     tau_max: float = opt(0.9, "per-request τ ceiling")
     max_queue: int = opt(DEFAULT_MAX_QUEUE, "waiting requests per instance before rejection (as serve)")
-    overload_rules: bool = opt(False, "dilaserve: the overload rules under trial (preemption of at-risk requests, "
-                                      "one slot by starvation, riders at most 10 percent dearer, the shortest late "
-                                      "request first; docs/scheduling.md)")
+    overload_rules: bool = opt(True, "dilaserve: the overload rules (late requests take one slot by starvation, "
+                                     "ride along only when at most 10 percent dearer, the shortest first; "
+                                     "docs/scheduling.md); --no-overload-rules turns them off")
+    preempt_at_risk: bool = opt(False, "dilaserve, under trial: a request in time takes the slot of a running one "
+                                       "at risk (docs/scheduling.md)")
     run_ahead: bool = opt(False, "dilaserve, under trial: a request that cannot join the running ones is in time "
                                  "if it can run first and they all still make it (docs/scheduling.md)")
     controller: ControllerConfig = field(default_factory=ControllerConfig)
@@ -191,7 +194,8 @@ class Simulation:
         ctl = self._tclass(self._tcfg) if self._tclass is not None else None
         sched = Scheduler(SchedulerConfig(cfg.slots, policy=cfg.policy, tp=info.tp_degree, static_tau=cfg.static_tau,
                                           max_queue=cfg.max_queue, threshold=self._tcfg,
-                                          run_ahead=cfg.run_ahead, **(OVERLOAD_RULES if cfg.overload_rules else {})),
+                                          run_ahead=cfg.run_ahead, preempt_at_risk=cfg.preempt_at_risk,
+                                          **(OVERLOAD_RULES if cfg.overload_rules else OVERLOAD_RULES_OFF)),
                           self.latency, ctl)
         engine = Engine(runner, sched, clock=clock, name=info.name)
         if hasattr(runner, "queue_depth"):
@@ -243,8 +247,7 @@ class Simulation:
             controller.observe(_shape(s, cfg), s.arrival)
         preds = controller.predict(*controller.load(first[-1].arrival))
         ref = min(p.latency_s for p in preds) or 1e-9
-        best = max(preds, key=lambda p: p.attainment + cfg.controller.tau_weight * p.tau
-                   - cfg.controller.latency_weight * p.latency_s / ref)
+        best = max(preds, key=lambda p: cfg.controller.value(p.attainment, p.tau, p.latency_s, ref))
         return layout_text(best.layout)
 
     # --- the run ---

@@ -224,20 +224,28 @@ def test_dilaserve_steps_one_at_a_time_where_the_measured_profile_makes_batching
 
 def test_a_split_batch_still_starves_no_one():
     """With batches split to one request (CPU-like profile), a request at risk gets its fair share
-    of turns counted as such, and is still served under a steady stream of feasible arrivals."""
-    engine, clock = make_engine(_cpu_like_latency(), slots=4, step_time=_cpu_like_step, max_skip=8)
-    lost = req("lost", 0.0, 1e-4, answer=32, block=16, tau_min=0.9, tau_max=0.9)  # hopeless from the start
-    hl = engine.submit(lost)
-    i = 0
-    while not hl.done() and i < 400:
-        engine.submit(req(f"s{i}", clock(), 0.2, answer=16, block=16, tau_min=0.9, tau_max=0.9))
-        for _ in range(3):
-            engine.step_once()
-        i += 1
-    assert hl.done() and hl.result(0).state == RequestState.FINISHED_OK, f"starved after {i} arrivals"
+    of turns counted as such, and is still served under a steady stream of feasible arrivals; with
+    the overload rules (the default) later, since the stream's own late requests compete for the
+    one slot starvation opens to late work, but still served."""
+    from dilaserve_jax.serving.policy.scheduler import OVERLOAD_RULES_OFF
+
+    def served_after(limit, **rules):
+        engine, clock = make_engine(_cpu_like_latency(), slots=4, step_time=_cpu_like_step, max_skip=8, **rules)
+        lost = req("lost", 0.0, 1e-4, answer=32, block=16, tau_min=0.9, tau_max=0.9)  # hopeless from the start
+        hl = engine.submit(lost)
+        i = 0
+        while not hl.done() and i < limit:
+            engine.submit(req(f"s{i}", clock(), 0.2, answer=16, block=16, tau_min=0.9, tau_max=0.9))
+            for _ in range(3):
+                engine.step_once()
+            i += 1
+        assert hl.done() and hl.result(0).state == RequestState.FINISHED_OK, f"starved after {i} arrivals"
+        return i
+
     # counted in whole rounds it would go first every 8 rounds (done after ~50 arrivals here); in
     # shares of a 4-way split, every 32 (~175)
-    assert i > 100, f"served after {i} arrivals: its skips counted as whole rounds"
+    assert served_after(400, **OVERLOAD_RULES_OFF) > 100, "its skips counted as whole rounds"
+    assert served_after(3000) > 100
 
 
 def test_a_deep_queue_plans_only_what_is_within_reach(latency):
@@ -331,11 +339,15 @@ def test_at_risk_skip_share_is_checked():
 def test_overload_rules_give_a_lost_requests_slot_to_one_in_time(latency):
     """Both slots held by running requests past saving: with the overload rules a fresh request
     that can still make it takes one of their slots (the lost one waits again with its canvas and
-    still finishes); without them it waits for a slot and misses."""
-    from dilaserve_jax.serving.policy.scheduler import OVERLOAD_RULES
+    still finishes); without them it waits for a slot and misses. The rules but preemption are the default."""
+    from dilaserve_jax.serving.policy.scheduler import OVERLOAD_RULES, OVERLOAD_RULES_OFF, SchedulerConfig
+
+    assert all(getattr(SchedulerConfig(2), k) == v for k, v in OVERLOAD_RULES.items())
+    assert not SchedulerConfig(2).preempt_at_risk
 
     def serve(rules):
-        engine, clock = make_engine(latency, slots=2, **(OVERLOAD_RULES if rules else {}))
+        engine, clock = make_engine(latency, slots=2, **(dict(OVERLOAD_RULES, preempt_at_risk=True) if rules
+                                                         else OVERLOAD_RULES_OFF))
         reqs = [req(f"lost{i}", 0.0, 1e-4, answer=128) for i in range(2)]
         lost = [engine.submit(r) for r in reqs]
         for _ in range(2):
@@ -379,10 +391,12 @@ def test_run_ahead_lets_an_urgent_request_go_first_where_joining_would_miss():
 def test_starved_lost_requests_bounded_to_one_slot_leave_the_rest_to_fresh_ones(latency):
     """Lost requests counted as starved (skips in full here) go first by starvation; with
     `starved_at_risk_slots=1` into one slot at a time, so the fresh requests that can still make it
-    keep the other slots. Unbounded (the default), the starved backlog takes every slot."""
+    keep the other slots (the default). Unbounded, the starved backlog takes every slot."""
+    from dilaserve_jax.serving.policy.scheduler import OVERLOAD_RULES_OFF
+
     def serve(bound):
         engine, clock = make_engine(latency, slots=3, max_skip=2, at_risk_skip_share=1.0,
-                                    starved_at_risk_slots=bound)
+                                    **dict(OVERLOAD_RULES_OFF, starved_at_risk_slots=bound))
         return _fresh_met_behind_a_lost_backlog(engine, clock)
 
     assert serve(None) < serve(1)

@@ -69,6 +69,9 @@ class ServeConfig:
     admission: str = opt("best-effort", "best-effort: a request predicted to miss its deadline even at tau_min is "
                                         "served late, after every request that can still meet its own; strict: it is "
                                         "refused (a request may ask for either)", choices=ADMISSION_MODES)
+    overload_rules: bool = opt(True, "dilaserve: what late requests may take from those still in time - one slot "
+                                     "by starvation, a place in a step only if it costs at most 10 percent more, "
+                                     "the shortest first (docs/scheduling.md); --no-overload-rules turns them off")
     step_timeout_s: float | None = opt(defaults.DEFAULT_STEP_TIMEOUT_S,  # None disables
                                        "watchdog: an instance whose step runs longer than this is failed and its "
                                        "requests move to the others (0 disables)", parse=or_none(float, "0"))

@@ -30,7 +30,7 @@ from dilaserve_jax.serving.cluster.weights_swap import IncompatibleWeights, NewW
 from dilaserve_jax.serving.cluster.engine import Engine
 from dilaserve_jax.serving.policy.latency import LatencyModel
 from dilaserve_jax.serving.executor.runner import JaxRunner
-from dilaserve_jax.serving.policy.scheduler import Scheduler, SchedulerConfig
+from dilaserve_jax.serving.policy.scheduler import OVERLOAD_RULES_OFF, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,8 @@ class JaxInstanceBuilder:
                            state_sharding=state_sharding(inst, mc, cfg.cache_mode != "none"),
                            compiled=self.compiled, warm_up=False, progress=False)
         sched = Scheduler(SchedulerConfig(num_slots=cfg.slots, policy=cfg.policy, tp=inst.tp,
-                                          max_queue=cfg.max_queue, admission=cfg.admission, threshold=self.threshold),
+                                          max_queue=cfg.max_queue, admission=cfg.admission, threshold=self.threshold,
+                                          **({} if cfg.overload_rules else OVERLOAD_RULES_OFF)),
                           self.latency.get(inst.tp, self.placeholder))
         return Engine(runner, sched, name=instance_name(inst))
 

@@ -155,7 +155,7 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
     `pressure_share`: the instances' arrival-pressure rule (`ThresholdConfig.pressure_at_risk_share`):
     where the chain misses at least that share of the arrivals, every request runs at its floor
     (the budget's), so the rate is read off a second chain in which each arrival takes its floor
-    whatever its deadline allows — up to the capacity at the floor (see the comment below)."""
+    whatever its deadline allows (see the comment below)."""
     if not sample:
         raise ValueError("need at least one sampled request")
     taus_arr = np.asarray(taus, dtype=np.float64)  # descending
@@ -181,10 +181,11 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
     if pressure_share is not None:
         at_floor = allowed_j & (np.arange(len(taus_arr))[:, None] == floor_idx[None, :])
         pressed = _Chain(times, mean_t, at_floor, floor_idx, slo, taus_arr, slots, depth, lowest).solve(rates)
-        # only up to the capacity at the floor: beyond it the backlog of late work, which the chain
-        # lets leave without cost, sets attainment, and all-at-the-floor would hide it (a blend
-        # over the next quarter of the capacity was tried: it moved the cliff, not the detours)
-        on = (1.0 - attainment >= pressure_share) & (rates <= capacity)
+        # at every rate: with the overload rules late requests take one slot and cheap rides only,
+        # so past the capacity too the requests in time are served as the pressed chain has them
+        # (it let them leave without cost, as the rules nearly do; with the rules off the late
+        # backlog took over half the rows, and the cap stood at the capacity at the floor)
+        on = 1.0 - attainment >= pressure_share
         attainment, latency_s, tau_mean = (np.where(on, p, n) for p, n in zip(pressed, (attainment, latency_s,
                                                                                         tau_mean)))
     return Curves(tp, rates, np.clip(attainment, 0.0, 1.0), latency_s, tau_mean, capacity, taus_arr,

@@ -96,6 +96,11 @@ class ControllerConfig:
         if not 0 < self.tokens_per_step_smoothing <= 1:
             raise ValueError("tokens/step smoothing must be in (0, 1] (1: no smoothing)")
 
+    def value(self, attainment: float, tau: float, latency_s: float, ref_latency_s: float) -> float:
+        """The decision's objective (module doc): one place, so the decision, the simulator's start
+        layout and the calibration ranking all weigh predictions alike."""
+        return attainment + self.tau_weight * tau - self.latency_weight * latency_s / max(ref_latency_s, 1e-9)
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:
@@ -271,7 +276,7 @@ class ClusterController:
         ref_lat = max(now_pred.latency_s, 1e-9)
 
         def value(p: LayoutPrediction) -> float:
-            return p.attainment + self.cfg.tau_weight * p.tau - self.cfg.latency_weight * p.latency_s / ref_lat
+            return self.cfg.value(p.attainment, p.tau, p.latency_s, ref_lat)
 
         ranked = sorted(preds.values(), key=lambda p: (value(p), p.layout == current), reverse=True)
         best = ranked[0]

@@ -38,7 +38,7 @@ from dilaserve_jax.serving.policy.latency import LatencyModel
 from dilaserve_jax.serving.policy.quality import QualitySnapshot
 from dilaserve_jax.serving.policy.request import Request, RequestState
 from dilaserve_jax.serving.policy.scheduler_config import (  # noqa: F401 - re-exported: the scheduler's API
-    ADMISSION_MODES, OVERLOAD_RULES, POLICIES, AddResult, SchedulerConfig)
+    ADMISSION_MODES, OVERLOAD_RULES, OVERLOAD_RULES_OFF, POLICIES, AddResult, SchedulerConfig)
 from dilaserve_jax.serving.policy.snapshots import LoadSnapshot, RequestEstimator, RequestView
 from dilaserve_jax.serving.policy.step_time import ScaledStepTime
 from dilaserve_jax.serving.policy.threshold import Decision, ThresholdController

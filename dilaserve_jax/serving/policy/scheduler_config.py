@@ -1,5 +1,5 @@
 """The step scheduler's configuration: policy, slots, queue bound, admission, starvation and the
-overload rules under trial (pure Python; see serving/policy/scheduler.py for what each does)."""
+overload rules (pure Python; see serving/policy/scheduler.py for what each does)."""
 from __future__ import annotations
 
 import math
@@ -9,8 +9,10 @@ from dilaserve_jax.serving.policy.request import Request
 from dilaserve_jax.serving.policy.threshold import ThresholdConfig
 
 POLICIES = ("fcfs-static", "edf-static", "dilaserve")
-# the overload rules under trial, all on (SchedulerConfig's fields; off by default)
-OVERLOAD_RULES = dict(preempt_at_risk=True, starved_at_risk_slots=1, rider_cost=0.1, shortest_late_first=True)
+# the overload rules (SchedulerConfig's fields), on by default: what late requests may take from the
+# requests still in time (docs/scheduling.md, "The overload rules"); preemption stays under trial
+OVERLOAD_RULES = dict(starved_at_risk_slots=1, rider_cost=0.1, shortest_late_first=True)
+OVERLOAD_RULES_OFF = dict(starved_at_risk_slots=None, rider_cost=math.inf, shortest_late_first=False)
 ADMISSION_MODES = ("best-effort", "strict")
 
 
@@ -26,12 +28,13 @@ class SchedulerConfig:
     at_risk_skip_share: float = 0.125  # dilaserve: a skip of a request at risk counts this much (see module doc)
     admission: str = "best-effort"  # or "strict": refuse what cannot meet its deadline (see module doc)
     drop_expired: bool = False  # finish requests past their deadline as FINISHED_DEADLINE
-    # rules under trial, off by default (docs/scheduling.md "Overload rules under trial"):
+    # under trial, off by default: near capacity it sends back requests that would still have finished
     preempt_at_risk: bool = False  # dilaserve: a request in time takes the slot of a running one at risk
-    starved_at_risk_slots: int | None = None  # dilaserve: slots at-risk requests may take by starvation
-    rider_cost: float = math.inf  # dilaserve: an at-risk request joins a step with requests in time only
-    #                               if it makes the step at most this much longer
-    shortest_late_first: bool = False  # dilaserve: at-risk requests in order of work left, not slack
+    # the overload rules, on by default (OVERLOAD_RULES_OFF turns them off; docs/scheduling.md):
+    starved_at_risk_slots: int | None = 1  # dilaserve: slots at-risk requests may take by starvation (None: all)
+    rider_cost: float = 0.1  # dilaserve: an at-risk request joins a step with requests in time only
+    #                          if it makes the step at most this much longer (inf: always)
+    shortest_late_first: bool = True  # dilaserve: at-risk requests in order of work left, not slack
     run_ahead: bool = False  # dilaserve: a request that cannot join the others fits if it can run first
     #                          and they all still make it delayed by its time
     latency_ema: float = 0.2  # online correction of the latency model from measured step times
