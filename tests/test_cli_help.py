@@ -4,6 +4,7 @@ import importlib
 import pytest
 
 COMMANDS = ("serve", "generate", "client", "tasks.train", "tasks.eval", "sim.__main__", "sim.evaluate",
+            "sim.synth_trace",
             *(f"bench.{b}" for b in ("attention", "decode", "overlap", "profile", "push", "reconfigure", "reshard",
                                      "serving", "soak", "policies", "sim_validate", "trace_diff",
                                      "host_time", "hosts_controller", "compile_cache")))
