@@ -186,8 +186,17 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
         # (it let them leave without cost, as the rules nearly do; with the rules off the late
         # backlog took over half the rows, and the cap stood at the capacity at the floor)
         on = 1.0 - attainment >= pressure_share
-        attainment, latency_s, tau_mean = (np.where(on, p, n) for p, n in zip(pressed, (attainment, latency_s,
-                                                                                        tau_mean)))
+        # the rule is a feedback loop: on while the last window's misses reach the share, off once
+        # they fall below, so an instance the floor more than rescues settles where it misses about
+        # that share, pressed for the part f of the time that gives it. Without this the prediction
+        # jumps at the share: a layout missing a little more than it looked better than one missing
+        # a little less, and the controller switched between the two (1x8 and 2x4 at 30 req/s)
+        target = 1.0 - pressure_share
+        lift = pressed[0] - attainment
+        f = np.clip((target - attainment) / np.where(lift > 1e-9, lift, 1.0), 0.0, 1.0)
+        f = np.where(lift > 1e-9, f, 1.0)
+        attainment, latency_s, tau_mean = (np.where(on, f * p + (1.0 - f) * n, n)
+                                           for p, n in zip(pressed, (attainment, latency_s, tau_mean)))
     return Curves(tp, rates, np.clip(attainment, 0.0, 1.0), latency_s, tau_mean, capacity, taus_arr,
                   slots / mean_t[slots - 1], pressed=pressure_share is not None)
 
