@@ -78,6 +78,7 @@ def test_build_cluster_on_a_share_with_a_kv_budget():
     for engine, want in zip(cluster.engines, ({4, 5}, {6, 7})):
         decoder = engine.runner.decoder
         assert decoder.num_slots == 3 and engine.scheduler.cfg.num_slots == 3
+        assert engine.scheduler.cfg.rider_cost == 0.1 and engine.scheduler.cfg.starved_at_risk_slots == 1
         for leaf in jax.tree.leaves(decoder.params) + jax.tree.leaves(decoder.state):
             assert {d.id for d in leaf.sharding.device_set} == want
         assert all(b <= budget_gib * GIB for b in bytes_per_device(decoder.state).values())
@@ -85,8 +86,11 @@ def test_build_cluster_on_a_share_with_a_kv_budget():
     two = device_bytes_per_slot(cfg, 2, 128)
     tp2_only = build_cluster(ServeConfig(model="test", mesh="2x2", devices=(4, 5, 6, 7), slots=8,
                                          kv_memory_gb=(5 * two + 10) / GIB, length_buckets=(128,), layouts=("2x2",),
-                                         controller="manual"), say=lambda _m: None)
+                                         controller="manual", overload_rules=False), say=lambda _m: None)
     assert [e.runner.num_slots for e in tp2_only.engines] == [5, 5]
+    # serve --no-overload-rules reaches every instance's scheduler
+    assert all(e.scheduler.cfg.rider_cost == float("inf") and e.scheduler.cfg.starved_at_risk_slots is None
+               and not e.scheduler.cfg.shortest_late_first for e in tp2_only.engines)
     with pytest.raises(ValueError, match="holds no slot"):
         build_cluster(ServeConfig(model="test", mesh="2x2", devices=(4, 5, 6, 7), kv_memory_gb=1e-9,
                                   length_buckets=(128,)), say=lambda _m: None)
