@@ -153,9 +153,9 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
     chain finds where τ must drop).
 
     `pressure_share`: the instances' arrival-pressure rule (`ThresholdConfig.pressure_at_risk_share`):
-    where the chain misses at least that share of the arrivals, every request runs at its floor
-    (the budget's), so the rate is read off a second chain in which each arrival takes its floor
-    whatever its deadline allows (see the comment below)."""
+    where the chain misses at least that share of the arrivals, requests run at their floor (the
+    budget's) for part of the time, so the rate is read off a mix of the chain and a second chain in
+    which each arrival takes its floor whatever its deadline allows (see the comment below)."""
     if not sample:
         raise ValueError("need at least one sampled request")
     taus_arr = np.asarray(taus, dtype=np.float64)  # descending
@@ -181,16 +181,16 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
     if pressure_share is not None:
         at_floor = allowed_j & (np.arange(len(taus_arr))[:, None] == floor_idx[None, :])
         pressed = _Chain(times, mean_t, at_floor, floor_idx, slo, taus_arr, slots, depth, lowest).solve(rates)
-        # at every rate: with the overload rules late requests take one slot and cheap rides only,
-        # so past the capacity too the requests in time are served as the pressed chain has them
-        # (it let them leave without cost, as the rules nearly do; with the rules off the late
-        # backlog took over half the rows, and the cap stood at the capacity at the floor)
+        # at every rate where the plain chain misses the share: with the overload rules late
+        # requests take one slot and cheap rides only, so past the capacity too the requests in time
+        # are served as the pressed chain has them (with the rules off the late backlog took over
+        # half the rows, and this stopped at the capacity at the floor). The rule is a feedback
+        # loop, on while the last window's at-risk share reaches the share and off below, so an
+        # instance the floor more than rescues settles where it misses about that share, pressed for
+        # the part f of the time that gives it; pressed outright, the prediction jumped at the share
+        # and a layout missing a little more looked better than one missing a little less (the
+        # controller switched 1x8 <-> 2x4 at 30 req/s)
         on = 1.0 - attainment >= pressure_share
-        # the rule is a feedback loop: on while the last window's misses reach the share, off once
-        # they fall below, so an instance the floor more than rescues settles where it misses about
-        # that share, pressed for the part f of the time that gives it. Without this the prediction
-        # jumps at the share: a layout missing a little more than it looked better than one missing
-        # a little less, and the controller switched between the two (1x8 and 2x4 at 30 req/s)
         target = 1.0 - pressure_share
         lift = pressed[0] - attainment
         f = np.clip((target - attainment) / np.where(lift > 1e-9, lift, 1.0), 0.0, 1.0)
