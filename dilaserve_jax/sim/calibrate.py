@@ -169,7 +169,7 @@ def ranking(cfg: CalibrateConfig, rows: list[dict]) -> list[dict]:
         at = [r for r in rows if r["rate"] == rate]
         if not at:
             continue
-        ref = max(min(r["pred_latency"] for r in at), 1e-9)
+        ref = min(r["pred_latency"] for r in at)
         first = max(at, key=lambda r: ccfg.value(r["pred_attainment"], r["pred_tau"], r["pred_latency"], ref))
         best = max(at, key=lambda r: (r["sim_attainment"], -r["sim_latency"]))
         gap = 100 * (best["sim_attainment"] - first["sim_attainment"])

@@ -246,7 +246,7 @@ class Simulation:
         for s in first:  # the load as the controller itself measures it after the first window
             controller.observe(_shape(s, cfg), s.arrival)
         preds = controller.predict(*controller.load(first[-1].arrival))
-        ref = min(p.latency_s for p in preds) or 1e-9
+        ref = min(p.latency_s for p in preds)
         best = max(preds, key=lambda p: cfg.controller.value(p.attainment, p.tau, p.latency_s, ref))
         return layout_text(best.layout)
 

@@ -16,6 +16,7 @@ import math
 import random
 import sys
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 from dilaserve_jax.core.cli import add_config_arguments, config_from_args, opt, returns_exit_status
 
@@ -55,12 +56,12 @@ def rows(cfg: SynthConfig):
         yield t, prompt, answer
 
 
+START = datetime(2023, 11, 16, 18, 0, 0)
+
+
 def timestamp(seconds: float) -> str:
-    """The trace's clock format, from 2023-11-16 18:00:00 on."""
-    day, rest = divmod(seconds, 86400.0)
-    hours, rest = divmod(rest, 3600.0)
-    minutes, secs = divmod(rest, 60.0)
-    return f"2023-11-{16 + int(day):02d} {18 + int(hours):02d}:{int(minutes):02d}:{secs:09.6f}"
+    """The trace's clock format, from 2023-11-16 18:00:00 on (the calendar rolls over past midnight)."""
+    return (START + timedelta(seconds=seconds)).strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
 def write(cfg: SynthConfig, stream) -> int:

@@ -24,3 +24,8 @@ def test_a_written_trace_reads_back_with_the_medians_and_burstiness_asked_for(tm
 def test_bad_input_is_a_usage_error(capsys):
     assert main(["--rows", "0"]) == 2
     assert "--rows must be >= 1" in capsys.readouterr().err
+
+
+def test_timestamps_roll_over_past_midnight():
+    from dilaserve_jax.sim.synth_trace import timestamp
+    assert timestamp(6 * 3600 + 5.5) == "2023-11-17 00:00:05.500000"  # six hours after 18:00

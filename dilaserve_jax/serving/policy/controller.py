@@ -273,7 +273,7 @@ class ClusterController:
         layouts = list(dict.fromkeys([current, *self.candidates]))
         preds = {p.layout: p for p in self.predict(rate, sample, layouts)}
         now_pred = preds[current]
-        ref_lat = max(now_pred.latency_s, 1e-9)
+        ref_lat = now_pred.latency_s  # (value() guards a zero)
 
         def value(p: LayoutPrediction) -> float:
             return self.cfg.value(p.attainment, p.tau, p.latency_s, ref_lat)

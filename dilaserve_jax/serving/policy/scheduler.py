@@ -27,6 +27,9 @@ Under dilaserve a request at risk counts only `at_risk_skip_share` (1/8) of each
 over for requests still in time is the victim rule, and counted in full, a backlog of lost requests
 would all turn "starved" within `max_skip` rounds and go first again — FIFO, the domino EDF falls to.
 It still goes first after max_skip / share rounds, and it runs before then whenever there is room.
+The overload rules (on by default, `OVERLOAD_RULES`) bound what lost requests take under a lasting
+overload: starved ones go first into one slot at a time, others join a step with requests in time
+only when it costs at most 10% more, and they run shortest first (starved ones in arrival order).
 """
 from __future__ import annotations
 
