@@ -93,3 +93,38 @@ def test_a_loaded_instance_is_priced_at_the_floor_under_arrival_pressure():
     p = evaluate_layouts([(1,)], {1: pressed}, over, overload_horizon_s=30.0)[0]
     q = evaluate_layouts([(1,)], {1: pressed}, over, overload_horizon_s=None)[0]
     assert np.isclose(p.latency_s - q.latency_s, (1 - plain.capacity / over) * 15.0)
+
+
+def test_late_requests_ride_in_the_steps_of_the_requests_in_time():
+    """Requests that miss still run (the overload rules put a late one in the steps of the requests
+    in time), so while the misses' work lasts every step carries one more request: where many miss
+    even on an idle instance the prediction falls below the chain that takes misses as free, and
+    where nothing misses it is that chain's."""
+    from dilaserve_jax.serving.policy.capacity import instance_curves
+
+    class Linear:  # a step costs 5 ms per padded request
+        def round_many(self, kind, batch, canvas, block, tp):
+            return 0.005 * (np.asarray(batch, dtype=np.float64) + 0 * np.asarray(canvas))
+
+    rng = np.random.default_rng(0)
+    loose = [RequestShape(prompt_len=int(p), answer_len=64, block_len=32, slo_s=5.0)
+             for p in rng.integers(100, 400, 64)]
+    # a third cannot make it even alone (two blocks at 4.7 tokens a step: 14 steps of 5 ms)
+    tight = [replace(r, slo_s=0.02 if i % 3 == 0 else 5.0) for i, r in enumerate(loose)]
+    args = (Linear(), 1, (0.9, 0.7, 0.5), (2.0, 3.2, 4.7))
+
+    def curves(sample, riders):
+        return instance_curves(args[0], args[1], sample, 8, *args[2:], tau_floor=0.5, late_riders=riders)
+    free, ridden = curves(tight, 0), curves(tight, 1)
+    assert np.array_equal(free.rates, ridden.rates)
+    mid = (free.rates > 0.1 * free.capacity) & (free.rates < free.capacity)
+    assert np.all(free.attainment[mid] < 0.7)  # the third that misses at any load
+    # the late third rides along: the requests in time take longer, so no more of them make it and
+    # their latency grows
+    assert np.all(ridden.attainment <= free.attainment + 1e-12)
+    assert np.all(ridden.latency[mid] > free.latency[mid])
+    # nothing misses: nothing rides
+    calm, calm_ridden = curves(loose, 0), curves(loose, 1)
+    low = calm.rates < 0.5 * calm.capacity
+    assert np.allclose(calm.attainment[low], 1.0)
+    assert np.allclose(calm_ridden.latency[low], calm.latency[low])

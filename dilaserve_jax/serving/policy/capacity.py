@@ -139,7 +139,8 @@ def service_times(latency: LatencyModel, tp: int, sample: Sequence[RequestShape]
 def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShape], slots: int,
                     taus: Sequence[float], tokens_per_step: Sequence[float], *, tau_floor: float,
                     target_utilisation: float = 0.85, shapes: StepShapes | None = None,
-                    max_states: int = 1024, pressure_share: float | None = None) -> Curves:
+                    max_states: int = 1024, pressure_share: float | None = None,
+                    late_riders: int = 1) -> Curves:
     """Tabulate one TP-`tp` instance over arrival rates up to twice its capacity (see module doc).
 
     The instance is a birth-death chain on the requests in time it holds (n): with n present,
@@ -155,7 +156,10 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
     `pressure_share`: the instances' arrival-pressure rule (`ThresholdConfig.pressure_at_risk_share`):
     where the chain misses at least that share of the arrivals, requests run at their floor (the
     budget's) for part of the time, so the rate is read off a mix of the chain and a second chain in
-    which each arrival takes its floor whatever its deadline allows (see the comment below)."""
+    which each arrival takes its floor whatever its deadline allows (see the comment below).
+
+    `late_riders`: late requests running in the steps of the requests in time while any are there
+    (0: the misses cost the requests in time nothing, as before; see the comment in `solve`)."""
     if not sample:
         raise ValueError("need at least one sampled request")
     taus_arr = np.asarray(taus, dtype=np.float64)  # descending
@@ -176,11 +180,29 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
     # states an arrival can find: up to where even the fastest drain leaves no SLO in reach
     per_departure = mean_t[slots - 1, lowest] / slots
     depth = int(np.clip(np.ceil(slo.max() / max(per_departure, 1e-12)), 1, max_states - slots))
-    chain = _Chain(times, mean_t, allowed_j, floor_idx, slo, taus_arr, slots, depth, lowest)
-    attainment, latency_s, tau_mean = chain.solve(rates)
+
+    def solve(allowed: np.ndarray):
+        plain = _Chain(times, mean_t, allowed, floor_idx, slo, taus_arr, slots, depth, lowest)
+        att, lat, tau, batch, late_t = plain.solve(rates)
+        if not late_riders:
+            return att, lat, tau
+        # late work is not free: under the overload rules a late request rides in the steps of the
+        # requests in time (a starved one always, others when cheap), so for the share of time one
+        # is running each of their steps carries `late_riders` more requests. That share: the
+        # misses' arrival rate times a late request's own time at the batch the chain runs
+        # (Little's law), at most all of the time (a late backlog that grows). Without this the
+        # chain was 10-35 points optimistic where many requests miss even on an idle instance
+        # (SLOs tight for the TP degree: a TP-1 instance under SLOs set by a TP-8 one)
+        k = min(late_riders, slots)
+        heavier = _Chain(np.concatenate([times[k:], np.repeat(times[-1:], k, axis=0)]),
+                         np.concatenate([mean_t[k:], np.repeat(mean_t[-1:], k, axis=0)]),
+                         allowed, floor_idx, slo, taus_arr, slots, depth, lowest).solve(rates)
+        share = np.clip(rates * (1.0 - att) * late_t / k, 0.0, 1.0)
+        return tuple(share * h + (1.0 - share) * p for h, p in zip(heavier[:3], (att, lat, tau)))
+    attainment, latency_s, tau_mean = solve(allowed_j)
     if pressure_share is not None:
         at_floor = allowed_j & (np.arange(len(taus_arr))[:, None] == floor_idx[None, :])
-        pressed = _Chain(times, mean_t, at_floor, floor_idx, slo, taus_arr, slots, depth, lowest).solve(rates)
+        pressed = solve(at_floor)
         # at every rate where the plain chain misses the share: with the overload rules late
         # requests take one slot and cheap rides only, so past the capacity too the requests in time
         # are served as the pressed chain has them (with the rules off the late backlog took over
@@ -238,7 +260,14 @@ class _Chain:
         # a miss runs at its floor behind the requests in time found with it
         late = wait[:, self.lowest][:, None] + times[batch_idx][:, self.floor_idx, np.arange(len(self.slo))]
         lat_n = np.where(met, wait_t + own_t, late).mean(axis=1)
-        return p @ join, p @ lat_n, p @ self.taus[chosen].mean(axis=1)
+        # a late request's own time (at its floor, at the batch the chain runs), over the misses
+        batch = p @ np.minimum(n + 1, slots)  # [R]
+        missed = p @ (~met).astype(np.float64)  # [R, J]
+        own_floor = times[:, self.floor_idx, np.arange(len(self.slo))]  # [B, J]
+        at_b = own_floor[np.clip(np.rint(batch).astype(np.int64), 1, slots) - 1]  # [R, J]
+        weight = missed.sum(axis=1)
+        late_t = np.where(weight > 1e-12, (missed * at_b).sum(axis=1) / np.maximum(weight, 1e-12), at_b.mean(axis=1))
+        return p @ join, p @ lat_n, p @ self.taus[chosen].mean(axis=1), batch, late_t
 
 
 @dataclass(frozen=True, slots=True)
