@@ -191,7 +191,7 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
         # is running each of their steps carries `late_riders` more requests. That share: the
         # misses' arrival rate times a late request's own time at the batch the chain runs
         # (Little's law), at most all of the time (a late backlog that grows). Without this the
-        # chain was 10-35 points optimistic where many requests miss even on an idle instance
+        # chain was up to 35 points optimistic where many requests miss even on an idle instance
         # (SLOs tight for the TP degree: a TP-1 instance under SLOs set by a TP-8 one)
         k = min(late_riders, slots)
         heavier = _Chain(np.concatenate([times[k:], np.repeat(times[-1:], k, axis=0)]),
@@ -232,7 +232,8 @@ class _Chain:
         self.n = np.arange(slots + depth)
 
     def solve(self, rates: np.ndarray):
-        """(attainment, mean latency s, mean τ) per arrival rate."""
+        """Per arrival rate: attainment, mean latency (s), mean τ, the mean batch the requests in
+        time run at, and a late request's own time at that batch (for `late_riders`)."""
         n, slots, times, mean_t = self.n, self.slots, self.times, self.mean_t
         batch_idx = np.minimum(n + 1, slots) - 1  # the batch an arrival joins
         ahead = np.maximum(0, n + 1 - slots)  # departures to wait for
