@@ -35,14 +35,13 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import OrderedDict
 
 from dilaserve_jax.serving.policy.latency import LatencyModel
 from dilaserve_jax.serving.policy.quality import QualitySnapshot
 from dilaserve_jax.serving.policy.request import Request, RequestState
 from dilaserve_jax.serving.policy.scheduler_config import (  # noqa: F401 - re-exported: the scheduler's API
     ADMISSION_MODES, OVERLOAD_RULES, OVERLOAD_RULES_OFF, POLICIES, AddResult, SchedulerConfig)
-from dilaserve_jax.serving.policy.snapshots import LoadSnapshot, RequestEstimator, RequestView
+from dilaserve_jax.serving.policy.published_load import PublishedLoad
 from dilaserve_jax.serving.policy.step_time import ScaledStepTime
 from dilaserve_jax.serving.policy.threshold import Decision, ThresholdController
 from dilaserve_jax.serving.policy.types import Admission, StepPlan
@@ -50,7 +49,7 @@ from dilaserve_jax.core.outcome import SlotOutcome
 from dilaserve_jax.core.kinds import StepKind
 
 
-class Scheduler:
+class Scheduler(PublishedLoad):
     def __init__(self, config: SchedulerConfig, latency: LatencyModel,
                  controller: ThresholdController | None = None) -> None:
         self.cfg = config
@@ -69,8 +68,7 @@ class Scheduler:
         self._releases: list[int] = []
         self._finished: list[Request] = []
         self._memo: dict[tuple, float] = {}  # the latency model's step times (before the online correction)
-        self._priced: OrderedDict[str, float] = OrderedDict()  # waiting request -> its last published price
-        self._views: dict[str, RequestView] = {}  # waiting requests' published views (made once each)
+        self._init_published()
 
     # --- latency ---
     def set_latency_model(self, latency: LatencyModel) -> None:
@@ -405,61 +403,3 @@ class Scheduler:
 
     def request_time(self, req: Request, batch: int, tau: float | None = None) -> float:
         return self.controller.remaining_time(req, req.tau_max if tau is None else tau, batch, self.step_times)
-
-    def snapshot(self, now: float) -> LoadSnapshot:
-        """The published load. Waiting requests beyond `reprice_per_round` are priced again a
-        slice per round, oldest price first (approximation: a queued request's price lags the
-        estimates by at most queue / reprice_per_round rounds); the requests' own state does not
-        change while they wait, only the estimates and their planned τ do."""
-        # (runs every iteration over the whole queue: comprehensions and plain comparisons)
-        run, waiting = list(self.running.values()), self.waiting
-        b = len(run) + len(waiting)
-        b = self.cfg.num_slots if b > self.cfg.num_slots else b if b > 1 else 1
-        price = self._price
-        running = tuple([price(r, b) for r in run])
-        at_risk = [RequestView.of(r) for r in run if r.at_risk]  # a running one's view changes every step
-        views = self._views  # a waiting one's does not (dropped when it leaves the queue)
-        at_risk += [views.get(r.id) or self._view(r) for r in waiting if r.at_risk]
-        deadlines = tuple([r.deadline for r in run] + [r.deadline for r in waiting])
-        return LoadSnapshot(now, self.cfg.num_slots, self.cfg.tp, running, self._waiting_prices(b),
-                            self.estimator(), deadlines, tuple(at_risk), self.quality())
-
-    def _view(self, r: Request) -> RequestView:
-        v = self._views[r.id] = RequestView.of(r)
-        return v
-
-    def _left_queue(self, req_id: str) -> None:
-        self._priced.pop(req_id, None)
-        self._views.pop(req_id, None)
-
-    def _price(self, r: Request, batch: int) -> float:
-        # a request added since the last round has no decision yet: priced at its ceiling, as an
-        # unplanned one is
-        d = self.decisions.get(r.id)
-        tau = d.tau if d else r.tau_max if self.cfg.adaptive else self._tau(r)
-        return self.request_time(r, batch, tau)
-
-    def _waiting_prices(self, batch: int) -> tuple[float, ...]:
-        priced = self._priced  # maintained: only requests still waiting, the oldest price first
-        if len(self.waiting) <= self.cfg.reprice_per_round:
-            priced.clear()
-            for r in self.waiting:
-                priced[r.id] = self._price(r, batch)
-            return tuple(priced.values())
-        for _ in range(min(self.cfg.reprice_per_round, len(priced))):
-            rid, _p = priced.popitem(last=False)
-            r = self.requests.get(rid)
-            if r is not None and r.slot is None:  # (every way out of the queue drops its price)
-                priced[rid] = self._price(r, batch)
-        out = [priced.get(r.id) for r in self.waiting]
-        if None in out:  # new here
-            for i, r in enumerate(self.waiting):
-                if out[i] is None:
-                    out[i] = priced[r.id] = self._price(r, batch)
-        return tuple(out)
-
-    def estimator(self) -> RequestEstimator:
-        taus = tuple(sorted(set(self.controller.cfg.grid)))
-        return RequestEstimator(self.latency, self.cfg.tp, self.lat_scale[StepKind.REFRESH],
-                                self.lat_scale[StepKind.REUSE], taus,
-                                tuple(self.controller.tps.rate(t) for t in taus))
