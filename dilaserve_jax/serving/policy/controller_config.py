@@ -1,0 +1,102 @@
+"""The cluster controller's configuration and the records it produces: its decisions (with the
+predictions behind them), the migrations it plans, and the at-risk requests instances report
+(see `controller.py`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from dilaserve_jax.core.cli import opt
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    interval_s: float = opt(2.0, "seconds between the controller's decisions", name="--controller-interval-s")
+    window_s: float = 30.0  # arrival-rate window
+    horizon_s: float = 300.0  # how long a new layout is expected to pay off
+    min_dwell_s: float = opt(30.0, "minimum seconds between two layout switches")
+    hysteresis: float = 0.02  # objective gain (≈ attainment points / 100) needed beyond the cost
+    # rounds in a row the same layout must win by the margin before a switch: rounds 2 s apart share
+    # most of their sample, so two in a row confirmed a sample's fluke (a layout at the edge of its
+    # capacity looked overloaded for one window and was left for 40 s: 2.5-3 points over 180 s)
+    confirmations: int = 5
+    min_arrivals: int = 8  # arrivals in the window before any switch
+    settle_tolerance: float | None = 0.25  # no switch while the last half-window's rate is off by more (None: off)
+    # a jump to a new level that has held for the last half-window is acted on at that half's rate,
+    # before the window catches up, when the predicted gain beats the cost by this much (None: wait)
+    level_shift_gain: float | None = 0.1
+    # request shapes the prediction prices, spread evenly over the window: a heavy-tailed length mix
+    # needs a few hundred for a stable mean service time, and rounds 2 s apart then share most of
+    # their sample (the last 64 alone made the capacity swing by a sixth from round to round)
+    sample_size: int = 256
+    tokens_per_step_smoothing: float = 0.2  # weight of each round's τ -> tokens/step estimate
+    bandwidth_gbps: float = opt(100.0, "device-to-device bandwidth (GB/s into each device) the controller assumes "
+                                       "for resharding", name="--interconnect-gbps")
+    compile_s: float = opt(10.0, "seconds to compile a placement never compiled (the old layout serves meanwhile)")
+    load_s: float = opt(1.0, "seconds to build and warm one new instance whose executables are compiled already "
+                             "(from memory or the persistent compile cache)")
+    tau_weight: float = 0.1
+    latency_weight: float = 0.2
+    target_utilisation: float = 0.85
+    max_migrations: int = 4  # per round
+    migration_cooldown_s: float = 5.0  # a request moves at most once per this long
+
+    def __post_init__(self) -> None:
+        if min(self.interval_s, self.window_s, self.horizon_s, self.bandwidth_gbps) <= 0:
+            raise ValueError("interval, window, horizon and bandwidth must be positive")
+        if min(self.min_dwell_s, self.hysteresis, self.compile_s, self.load_s) < 0 or self.confirmations < 1:
+            raise ValueError("dwell, hysteresis, compile and load times must be >= 0, confirmations >= 1")
+        if self.settle_tolerance is not None and not self.settle_tolerance >= 0:
+            raise ValueError("settle tolerance must be >= 0 (or None: off)")
+        if not 0 < self.target_utilisation <= 1 or self.sample_size < 1 or self.max_migrations < 0:
+            raise ValueError("target utilisation in (0, 1], sample size >= 1, max migrations >= 0")
+        if not 0 < self.tokens_per_step_smoothing <= 1:
+            raise ValueError("tokens/step smoothing must be in (0, 1] (1: no smoothing)")
+
+    def value(self, attainment: float, tau: float, latency_s: float, ref_latency_s: float) -> float:
+        """The decision's objective (module doc): one place, so the decision, the simulator's start
+        layout and the calibration ranking all weigh predictions alike."""
+        return attainment + self.tau_weight * tau - self.latency_weight * latency_s / max(ref_latency_s, 1e-9)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    time: float
+    current: str
+    chosen: str  # == current when staying
+    switch: bool
+    reason: str
+    rate: float  # arrivals per second in the window
+    # layout -> (att, lat s, τ): the current layout and the top three candidates, best first
+    predicted: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)
+    cost: float = 0.0  # objective units
+    seconds: float = 0.0  # how long deciding took
+
+    def __str__(self) -> str:
+        cur = self.predicted.get(self.current)
+        new = self.predicted.get(self.chosen)
+        fmt = lambda p: f"{p[0]:.1%} att, {p[1] * 1e3:.0f} ms, τ {p[2]:.2f}" if p else "n/a"  # noqa: E731
+        what = f"switch {self.current} -> {self.chosen}" if self.switch else f"stay on {self.current}"
+        others = [f"{k} {v[0]:.1%}" for k, v in self.predicted.items() if k not in (self.current, self.chosen)]
+        runners_up = f"; then {', '.join(others)}" if others else ""
+        return (f"{what} at {self.rate:.2f} req/s: {self.reason} (now {fmt(cur)}; best {fmt(new)}{runners_up})")
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    request_id: str
+    source: str
+    target: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class AtRisk:
+    """A request an instance reports as at risk (in its published snapshot)."""
+
+    request_id: str
+    deadline: float
+    remaining_s: float  # its predicted time to finish there at its τ floor, if it ran now
+    running: bool
+    moves: int
+    last_move: float | None
