@@ -14,7 +14,8 @@ from dilaserve_jax.core.cli import (add_config_arguments, config_from_args, opt,
 from dilaserve_jax.serving.policy.controller import ControllerConfig
 from dilaserve_jax.sim.report import format_table, summarize
 from dilaserve_jax.sim.setup import MODELS, ModelSetup, setup_model
-from dilaserve_jax.sim.simulator import SimConfig, SimResult, Simulation, assign_slos
+from dilaserve_jax.sim.simulator import SimConfig, SimResult, Simulation
+from dilaserve_jax.sim.slos import assign_slos
 from dilaserve_jax.sim.workload import (RequestSpec, TinyShapes, arrival_times, build_shapes, is_synthetic,
                                         load_trace, parse_slo)
 

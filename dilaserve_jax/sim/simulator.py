@@ -15,8 +15,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
-import numpy as np
-
 from dilaserve_jax.core.cli import opt, or_none, words
 from dilaserve_jax.core.layouts import binary_partitions, is_schedule, layout_text, parse_layout, parse_schedule
 from dilaserve_jax.serving.cluster.autoscale import Autoscaler
@@ -34,7 +32,7 @@ from dilaserve_jax.serving.policy.scheduler import (OVERLOAD_RULES, OVERLOAD_RUL
                                                     SchedulerConfig)
 from dilaserve_jax.serving.policy.threshold import ThresholdConfig
 from dilaserve_jax.sim.cluster import ARRIVAL, CONTROL, SWITCH, SimCluster, SimInstance, SwitchCost
-from dilaserve_jax.sim.executor import ModelledRunner, StepTimeModel, VirtualClock, advance
+from dilaserve_jax.sim.executor import ModelledRunner, StepTimeModel, VirtualClock
 from dilaserve_jax.sim.host_time import HostTimeModel
 from dilaserve_jax.sim.policies import ABLATIONS, threshold_controller_class
 from dilaserve_jax.sim.quality import QualityModel, RequestPlan, make_plan
@@ -378,37 +376,3 @@ def _progress(total: int, label: str, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=label, unit="req", file=sys.stderr, leave=False, dynamic_ncols=True)
-
-
-def idle_latency(spec: RequestSpec, plan: RequestPlan, quality: QualityModel, step_time: StepTimeModel,
-                 tau: float, tp: int) -> float:
-    """Seconds to serve the request alone on an idle TP-`tp` instance at a constant τ (no noise)."""
-    from dilaserve_jax.core.kinds import StepKind
-    from dilaserve_jax.sim.quality import Progress
-
-    canvas = len(spec.prompt_tokens) + spec.answer_length
-    prog = Progress()
-    total, refresh = 0.0, True
-    for _ in range(spec.answer_length + 1):
-        kind = StepKind.REFRESH if refresh else StepKind.REUSE
-        total += step_time.mean(kind, 1, canvas, spec.block_length, tp)
-        _, _, refresh, finished = advance(quality, plan, prog, tau)
-        if finished:
-            break
-    return total
-
-
-def assign_slos(specs: Sequence[RequestSpec], slo: tuple[str, tuple[float, ...]], *, quality: QualityModel,
-                step_time: StepTimeModel, tau: float, tp: int, seed: int) -> list[RequestSpec]:
-    """Each spec with its SLO (see workload.parse_slo): fixed, or uniform(LO, HI) × idle latency."""
-    kind, vals = slo
-    rng = np.random.default_rng([seed, 17])
-    out = []
-    for i, s in enumerate(specs):
-        if kind == "fixed":
-            out.append(replace(s, slo=vals[0]))
-            continue
-        plan = make_plan(quality, i + 1, s.task, s.answer_length, s.block_length, s.finish_tokens, s.prompt_tokens)
-        idle = idle_latency(s, plan, quality, step_time, tau, tp)
-        out.append(replace(s, slo=float(rng.uniform(*vals)) * idle))
-    return out

@@ -10,7 +10,8 @@ from dilaserve_jax.sim.executor import ModelledRunner, VirtualClock
 from dilaserve_jax.sim.quality import LLADA_8B_GSM8K, QualityModel, make_plan
 from dilaserve_jax.sim.report import summarize
 from dilaserve_jax.sim.setup import setup_model
-from dilaserve_jax.sim.simulator import SimConfig, Simulation, assign_slos
+from dilaserve_jax.sim.simulator import SimConfig, Simulation
+from dilaserve_jax.sim.slos import assign_slos
 from dilaserve_jax.sim.workload import RequestSpec, TinyShapes, arrival_times, build_shapes, parse_slo
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from dilaserve_jax.serving.policy.controller import ControllerConfig
 from dilaserve_jax.sim.setup import setup_model
-from dilaserve_jax.sim.simulator import SimConfig, Simulation, assign_slos
+from dilaserve_jax.sim.simulator import SimConfig, Simulation
+from dilaserve_jax.sim.slos import assign_slos
 from dilaserve_jax.sim.workload import RequestSpec, arrival_times, build_shapes, load_trace, parse_slo
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "azure_llm_2023_code.csv"

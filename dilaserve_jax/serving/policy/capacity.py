@@ -180,11 +180,15 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
     # states an arrival can find: up to where even the fastest drain leaves no SLO in reach
     per_departure = mean_t[slots - 1, lowest] / slots
     depth = int(np.clip(np.ceil(slo.max() / max(per_departure, 1e-12)), 1, max_states - slots))
+    # with late riders each batch carries k more (full batches stay full): built once, for both chains
+    k = min(late_riders, slots)
+    heavier_times = np.concatenate([times[k:], np.repeat(times[-1:], k, axis=0)]) if k else None
+    heavier_mean = np.concatenate([mean_t[k:], np.repeat(mean_t[-1:], k, axis=0)]) if k else None
 
     def solve(allowed: np.ndarray):
         plain = _Chain(times, mean_t, allowed, floor_idx, slo, taus_arr, slots, depth, lowest)
         att, lat, tau, batch, late_t = plain.solve(rates)
-        if not late_riders:
+        if not k:
             return att, lat, tau
         # late work is not free: under the overload rules a late request rides in the steps of the
         # requests in time (a starved one always, others when cheap), so for the share of time one
@@ -193,10 +197,8 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
         # (Little's law), at most all of the time (a late backlog that grows). Without this the
         # chain was up to 35 points optimistic where many requests miss even on an idle instance
         # (SLOs tight for the TP degree: a TP-1 instance under SLOs set by a TP-8 one)
-        k = min(late_riders, slots)
-        heavier = _Chain(np.concatenate([times[k:], np.repeat(times[-1:], k, axis=0)]),
-                         np.concatenate([mean_t[k:], np.repeat(mean_t[-1:], k, axis=0)]),
-                         allowed, floor_idx, slo, taus_arr, slots, depth, lowest).solve(rates)
+        heavier = _Chain(heavier_times, heavier_mean, allowed, floor_idx, slo, taus_arr, slots, depth,
+                         lowest).solve(rates)
         share = np.clip(rates * (1.0 - att) * late_t / k, 0.0, 1.0)
         return tuple(share * h + (1.0 - share) * p for h, p in zip(heavier[:3], (att, lat, tau)))
     attainment, latency_s, tau_mean = solve(allowed_j)
