@@ -223,3 +223,14 @@ def test_near_equal_candidates_trading_first_place_still_confirm_a_switch(tp_lat
     trading = [{(4, 4): 0.70, (2, 2, 2, 2): 0.705}, {(4, 4): 0.705, (2, 2, 2, 2): 0.70}]
     decisions = _scripted(tp_latency, trading)
     assert decisions[-1].switch and decisions[-1].chosen == "4x2"  # the one the streak began with
+
+
+def test_answers_that_end_early_in_their_last_block_are_predicted_faster(tp_latency):
+    ctl = make(tp_latency)
+    layouts = [(2, 2, 2, 2), (8,)]
+    full = ctl.predict(20.0, [SHAPE] * 4, layouts)
+    ctl.set_last_block_fill(0.25)
+    short = ctl.predict(20.0, [SHAPE] * 4, layouts)
+    assert all(s.latency_s < f.latency_s for s, f in zip(short, full))
+    with pytest.raises(ValueError, match="fill"):
+        ctl.set_last_block_fill(0.0)

@@ -17,6 +17,7 @@ from typing import Callable
 
 from dilaserve_jax.serving.cluster.protocol import ServingCluster
 from dilaserve_jax.serving.cluster.state import ControllerState
+from dilaserve_jax.serving.policy.answer_fill import pooled_fill
 from dilaserve_jax.serving.policy.capacity import RequestShape
 from dilaserve_jax.serving.policy.controller import AtRisk, ClusterController, Decision, Migration
 from dilaserve_jax.serving.policy.request import Request
@@ -108,6 +109,9 @@ class Autoscaler:
             taus = ests[0].taus
             same = [e.rates for e in ests if e.taus == taus]
             ctl.set_tokens_per_step(taus, [sum(r) / len(same) for r in zip(*same)])
+            fill = pooled_fill((e.last_block_fill, e.fill_count) for e in ests)
+            if fill is not None:
+                ctl.set_last_block_fill(fill)
         slack = [d - now for s in snaps for d in s.load.deadlines]
         current = tuple(i.tp_degree for i in cluster.infos if cluster.engine(i.name).healthy) or \
             tuple(i.tp_degree for i in cluster.infos)

@@ -118,21 +118,35 @@ def round_times(latency: LatencyModel, kind: StepKind, tp: int, sample: Sequence
 
 
 def service_times(latency: LatencyModel, tp: int, sample: Sequence[RequestShape], slots: int,
-                  taus: np.ndarray, rates: np.ndarray, shapes: StepShapes | None = None) -> np.ndarray:
+                  taus: np.ndarray, rates: np.ndarray, shapes: StepShapes | None = None,
+                  last_block_fill: float = 1.0) -> np.ndarray:
     """Seconds to serve each sampled request among b concurrent ones, at each τ: [b = 1..slots, τ, request]
-    (each round priced by `round_times`)."""
-    block = np.array([r.block_len for r in sample], dtype=np.float64)
-    blocks = np.array([r.answer_len // r.block_len for r in sample], dtype=np.float64)
+    (each round priced by `round_times`). `last_block_fill`: the share of its last block a request
+    decodes before its answer ends (`answer_fill.py`; 1: every position of the area)."""
+    return _served(*_round_prices(latency, tp, sample, slots, shapes), sample, rates, last_block_fill)
+
+
+def _round_prices(latency: LatencyModel, tp: int, sample: Sequence[RequestShape], slots: int,
+                  shapes: StepShapes | None) -> tuple[np.ndarray, np.ndarray]:
+    """(a refresh's price, a reuse round's), [b = 1..slots, request]."""
     t_ref = round_times(latency, StepKind.REFRESH, tp, sample, slots, shapes)  # [B, J]
     # requests reach their refreshes at different steps, so a refresh round takes the g of the b
     # present that need one (g about uniform over 1..b, each round padded), and a request lives
     # through the others' refresh rounds too: b refreshes' worth at the mean price per refresh,
     # b · mean_g≤b t(g) / g = Σ_g≤b t(g) / g
     t_ref = np.cumsum(t_ref / np.arange(1, slots + 1)[:, None], axis=0)
-    t_reu = round_times(latency, StepKind.REUSE, tp, sample, slots, shapes)
-    per_block = np.maximum(1.0, np.ceil(block[None, :] / np.maximum(1.0, rates[:, None])))  # [T, J]
+    return t_ref, round_times(latency, StepKind.REUSE, tp, sample, slots, shapes)
+
+
+def _served(t_ref: np.ndarray, t_reu: np.ndarray, sample: Sequence[RequestShape], rates: np.ndarray,
+            last_block_fill: float) -> np.ndarray:
+    block = np.array([r.block_len for r in sample], dtype=np.float64)
+    blocks = np.array([r.answer_len // r.block_len for r in sample], dtype=np.float64)
+    rate = np.maximum(1.0, rates[:, None])
+    per_block = np.maximum(1.0, np.ceil(block[None, :] / rate))  # [T, J]
+    last = np.maximum(1.0, np.ceil(np.maximum(1.0, last_block_fill * block[None, :]) / rate))  # the last block's steps
     n_ref = np.broadcast_to(blocks[None, :], per_block.shape)
-    n_reu = blocks[None, :] * per_block - n_ref
+    n_reu = (blocks[None, :] - 1.0) * per_block + last - n_ref
     return n_ref[None] * t_ref[:, None, :] + n_reu[None] * t_reu[:, None, :]
 
 
@@ -140,7 +154,7 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
                     taus: Sequence[float], tokens_per_step: Sequence[float], *, tau_floor: float,
                     target_utilisation: float = 0.85, shapes: StepShapes | None = None,
                     max_states: int = 1024, pressure_share: float | None = None,
-                    late_riders: int = 1) -> Curves:
+                    late_riders: int = 1, last_block_fill: float = 1.0) -> Curves:
     """Tabulate one TP-`tp` instance over arrival rates up to twice its capacity (see module doc).
 
     The instance is a birth-death chain on the requests in time it holds (n): with n present,
@@ -159,13 +173,21 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
     which each arrival takes its floor whatever its deadline allows (see the comment below).
 
     `late_riders`: late requests running in the steps of the requests in time while any are there
-    (0: the misses cost the requests in time nothing, as before; see the comment in `solve`)."""
+    (0: the misses cost the requests in time nothing, as before; see the comment in `solve`).
+
+    `last_block_fill`: the share of its last block a request decodes before its answer ends
+    (`service_times`)."""
     if not sample:
         raise ValueError("need at least one sampled request")
     taus_arr = np.asarray(taus, dtype=np.float64)  # descending
     rates_arr = np.asarray(tokens_per_step, dtype=np.float64)
-    times = service_times(latency, tp, sample, slots, taus_arr, rates_arr, shapes)  # [B, T, J]
+    prices = _round_prices(latency, tp, sample, slots, shapes)
+    times = _served(*prices, sample, rates_arr, last_block_fill)  # [B, T, J]
     mean_t = times.mean(axis=2)  # [B, T]
+    # the instances' planner prices a request at its whole answer area (it cannot know where the
+    # answer ends), so it chooses τ and finds a request at risk by those times; the steps it then
+    # runs are the shorter ones
+    plan = (_served(*prices, sample, rates_arr, 1.0) if last_block_fill < 1.0 else times)
     tau_min = np.array([r.tau_min for r in sample])
     tau_max = np.array([r.tau_max for r in sample])
     slo = np.array([r.slo_s for r in sample])
@@ -182,11 +204,10 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
     depth = int(np.clip(np.ceil(slo.max() / max(per_departure, 1e-12)), 1, max_states - slots))
     # with late riders each batch carries k more (full batches stay full): built once, for both chains
     k = min(late_riders, slots)
-    heavier_times = np.concatenate([times[k:], np.repeat(times[-1:], k, axis=0)]) if k else None
-    heavier_mean = np.concatenate([mean_t[k:], np.repeat(mean_t[-1:], k, axis=0)]) if k else None
+    heavier = (lambda a: np.concatenate([a[k:], np.repeat(a[-1:], k, axis=0)])) if k else None
 
     def solve(allowed: np.ndarray):
-        plain = _Chain(times, mean_t, allowed, floor_idx, slo, taus_arr, slots, depth, lowest)
+        plain = _Chain(times, allowed, floor_idx, slo, taus_arr, slots, depth, lowest, plan)
         att, lat, tau, batch, late_t = plain.solve(rates)
         if not k:
             return att, lat, tau
@@ -197,10 +218,10 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
         # (Little's law), at most all of the time (a late backlog that grows). Without this the
         # chain was up to 35 points optimistic where many requests miss even on an idle instance
         # (SLOs tight for the TP degree: a TP-1 instance under SLOs set by a TP-8 one)
-        heavier = _Chain(heavier_times, heavier_mean, allowed, floor_idx, slo, taus_arr, slots, depth,
-                         lowest).solve(rates)
+        loaded = _Chain(heavier(times), allowed, floor_idx, slo, taus_arr, slots, depth, lowest,
+                        heavier(plan)).solve(rates)
         share = np.clip(rates * (1.0 - att) * late_t / k, 0.0, 1.0)
-        return tuple(share * h + (1.0 - share) * p for h, p in zip(heavier[:3], (att, lat, tau)))
+        return tuple(share * h + (1.0 - share) * p for h, p in zip(loaded[:3], (att, lat, tau)))
     attainment, latency_s, tau_mean = solve(allowed_j)
     if pressure_share is not None:
         at_floor = allowed_j & (np.arange(len(taus_arr))[:, None] == floor_idx[None, :])
@@ -228,8 +249,10 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
 class _Chain:
     """The birth-death chain of `instance_curves`, over the requests in time an arrival finds."""
 
-    def __init__(self, times, mean_t, allowed_j, floor_idx, slo, taus, slots: int, depth: int, lowest: int):
-        self.times, self.mean_t, self.allowed_j, self.floor_idx = times, mean_t, allowed_j, floor_idx
+    def __init__(self, times, allowed_j, floor_idx, slo, taus, slots: int, depth: int, lowest: int, plan=None):
+        """`times` [B, T, J]: what serving takes; `plan`: what the planner prices it at (None: the same)."""
+        self.times, self.mean_t, self.allowed_j, self.floor_idx = times, times.mean(axis=2), allowed_j, floor_idx
+        self.plan = times if plan is None else plan
         self.slo, self.taus, self.slots, self.lowest = slo, taus, slots, lowest
         self.n = np.arange(slots + depth)
 
@@ -241,7 +264,12 @@ class _Chain:
         ahead = np.maximum(0, n + 1 - slots)  # departures to wait for
         wait = ahead[:, None] * mean_t[slots - 1][None, :] / slots  # [N, T] at that τ for everyone
         own = times[batch_idx]  # [N, T, J]
-        fits = self.allowed_j[None] & (wait[:, :, None] + own <= self.slo[None, None, :])
+        plan = self.plan
+        if plan is times:
+            fits = self.allowed_j[None] & (wait[:, :, None] + own <= self.slo[None, None, :])
+        else:  # the planner's choice, by its own prices
+            plan_wait = ahead[:, None] * plan[slots - 1].mean(axis=1)[None, :] / slots
+            fits = self.allowed_j[None] & (plan_wait[:, :, None] + plan[batch_idx] <= self.slo[None, None, :])
         met = fits.any(axis=1)  # [N, J]
         chosen = np.where(met, fits.argmax(axis=1), self.floor_idx[None, :])  # [N, J] highest τ that fits
         own_t = np.take_along_axis(own, chosen[:, None, :], axis=1)[:, 0, :]  # [N, J]

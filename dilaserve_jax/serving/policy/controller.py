@@ -75,6 +75,7 @@ class ClusterController:
         prior = dict(prior or DEFAULT_PRIOR)
         self.taus = tuple(sorted(prior, reverse=True))
         self.tokens_per_step = tuple(prior[t] for t in self.taus)
+        self.last_block_fill = 1.0  # the instances' estimate (answer_fill.py): a full last block until told
         self._arrivals: deque[tuple[float, RequestShape]] = deque()
         self._first_arrival: float | None = None  # the load estimate is trusted after one full window
         self._lock = threading.Lock()  # arrivals are reported from other threads
@@ -91,11 +92,18 @@ class ClusterController:
             if self._first_arrival is None:
                 self._first_arrival = now
 
-    def set_tokens_per_step(self, taus: Sequence[float], rates: Sequence[float]) -> None:
-        """The instances' online τ -> tokens/step estimate (any order of τ)."""
+    def set_last_block_fill(self, fill: float) -> None:
+        """The instances' pooled share of the last block their requests decode (answer_fill.py)."""
+        if not 0.0 < fill <= 1.0:
+            raise ValueError(f"last block fill must be in (0, 1], got {fill}")
+        self.last_block_fill = fill
+
+    def set_tokens_per_step(self, taus: Sequence[float], rates: Sequence[float], *, smooth: bool = True) -> None:
+        """The instances' online τ -> tokens/step estimate (any order of τ); `smooth=False`: taken as
+        it is (a settled estimate, as the calibration computes it)."""
         pairs = sorted(zip(taus, rates), reverse=True)
         new_taus, new_rates = tuple(t for t, _ in pairs), tuple(max(1.0, r) for _, r in pairs)
-        if new_taus == self.taus:  # smoothed over rounds (from the prior): the estimate follows the
+        if smooth and new_taus == self.taus:  # smoothed over rounds (from the prior): the estimate follows the
             a = self.cfg.tokens_per_step_smoothing  # requests in flight, which turn over every few steps
             new_rates = tuple(a * r + (1 - a) * o for r, o in zip(new_rates, self.tokens_per_step))
         self.taus, self.tokens_per_step = new_taus, new_rates
@@ -153,7 +161,8 @@ class ClusterController:
         needed = sorted({t for lay in layouts for t in lay})
         curves = {t: instance_curves(self._model(t), t, sample, self.slots, self.taus, self.tokens_per_step,
                                      tau_floor=self.tau_floor, target_utilisation=self.cfg.target_utilisation,
-                                     shapes=self.shapes, pressure_share=self.pressure_share)
+                                     shapes=self.shapes, pressure_share=self.pressure_share,
+                                     last_block_fill=self.last_block_fill)
                   for t in needed}
         return evaluate_layouts(layouts, curves, rate)
 

@@ -76,4 +76,4 @@ class PublishedLoad:
         taus = tuple(sorted(set(self.controller.cfg.grid)))
         return RequestEstimator(self.latency, self.cfg.tp, self.lat_scale[StepKind.REFRESH],
                                 self.lat_scale[StepKind.REUSE], taus,
-                                tuple(self.controller.tps.rate(t) for t in taus))
+                                tuple(self.controller.tps.rate(t) for t in taus), self.fill.mean, self.fill.count)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import bisect
 import math
 
+from dilaserve_jax.serving.policy.answer_fill import LastBlockFill
 from dilaserve_jax.serving.policy.latency import LatencyModel
 from dilaserve_jax.serving.policy.quality import QualitySnapshot
 from dilaserve_jax.serving.policy.request import Request, RequestState
@@ -67,6 +68,7 @@ class Scheduler(PublishedLoad):
         self._aborts: list[str] = []
         self._releases: list[int] = []
         self._finished: list[Request] = []
+        self.fill = LastBlockFill()  # how much of their last block finished requests decoded (published)
         self._memo: dict[tuple, float] = {}  # the latency model's step times (before the online correction)
         self._init_published()
 
@@ -350,6 +352,7 @@ class Scheduler(PublishedLoad):
             self.controller.observe(req, tau, o.n_committed, o.block_finished or o.request_finished,
                                     confidence_counts=o.confidence_counts, max_confidence=o.max_confidence)
             if o.request_finished:
+                self.fill.observe(req.committed, req.answer_length, req.block_length)
                 req.output_tokens = list(o.answer)
                 self._finish(req, RequestState.FINISHED_OK, now)
                 done.append(req)

@@ -25,6 +25,8 @@ class RequestEstimator:
     reuse_scale: float
     taus: tuple[float, ...]  # ascending
     rates: tuple[float, ...]  # tokens per step at each τ (non-increasing in τ)
+    last_block_fill: float = 1.0  # mean share of the last block decoded before answers end (answer_fill.py)
+    fill_count: int = 0  # finished requests that estimate is over
 
     def tokens_per_step(self, tau: float) -> float:
         i = bisect.bisect_left(self.taus, tau)
