@@ -20,7 +20,7 @@ from dilaserve_jax.sim.workload import (RequestSpec, TinyShapes, arrival_times, 
                                         load_trace, parse_slo)
 
 log = logging.getLogger(__name__)
-CONTROLLER_FLAGS = ("interval_s", "min_dwell_s", "bandwidth_gbps", "compile_s", "load_s")
+CONTROLLER_FLAGS = ("interval_s", "min_dwell_s", "bandwidth_gbps", "compile_s", "load_s", "price_answer_ends")
 
 
 @dataclass(frozen=True, slots=True)

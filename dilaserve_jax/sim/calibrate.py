@@ -48,6 +48,8 @@ class CalibrateConfig:
     tolerance: float = opt(10.0, "target: |predicted - simulated| attainment, in points")
     rank_tolerance: float = opt(3.0, "target: the layout ranked first is within this many points of the simulated "
                                      "best")
+    price_answer_ends: bool = opt(False, "the controller prices each request's last block at the share answers decode "
+                                         "(as python -m dilaserve_jax.sim --price-answer-ends)")
     json: bool = opt(False, "print the rows as JSON")
     plot: str | None = opt(None, "draw predicted against simulated attainment per layout", metavar="PNG")
     progress: bool = opt(True, "progress bar on stderr")
@@ -87,6 +89,8 @@ def _sim_argv(cfg: CalibrateConfig, rate: float, seed: int, layout: str) -> list
         argv += ["--lengths", cfg.lengths]
     if cfg.profile:
         argv += ["--profile", cfg.profile]
+    if cfg.price_answer_ends:
+        argv.append("--price-answer-ends")
     return argv
 
 

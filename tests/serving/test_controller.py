@@ -226,11 +226,14 @@ def test_near_equal_candidates_trading_first_place_still_confirm_a_switch(tp_lat
 
 
 def test_answers_that_end_early_in_their_last_block_are_predicted_faster(tp_latency):
-    ctl = make(tp_latency)
+    ctl = make(tp_latency, price_answer_ends=True)
     layouts = [(2, 2, 2, 2), (8,)]
     full = ctl.predict(20.0, [SHAPE] * 4, layouts)
     ctl.set_last_block_fill(0.25)
     short = ctl.predict(20.0, [SHAPE] * 4, layouts)
     assert all(s.latency_s < f.latency_s for s, f in zip(short, full))
+    off = make(tp_latency)  # the default prices the whole area whatever the instances report
+    off.set_last_block_fill(0.25)
+    assert off.predict(20.0, [SHAPE] * 4, layouts) == full
     with pytest.raises(ValueError, match="fill"):
         ctl.set_last_block_fill(0.0)

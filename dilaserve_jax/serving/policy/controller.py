@@ -75,7 +75,8 @@ class ClusterController:
         prior = dict(prior or DEFAULT_PRIOR)
         self.taus = tuple(sorted(prior, reverse=True))
         self.tokens_per_step = tuple(prior[t] for t in self.taus)
-        self.last_block_fill = 1.0  # the instances' estimate (answer_fill.py): a full last block until told
+        # the instances' estimate (answer_fill.py), priced only with `cfg.price_answer_ends`
+        self.last_block_fill = 1.0
         self._arrivals: deque[tuple[float, RequestShape]] = deque()
         self._first_arrival: float | None = None  # the load estimate is trusted after one full window
         self._lock = threading.Lock()  # arrivals are reported from other threads
@@ -162,7 +163,7 @@ class ClusterController:
         curves = {t: instance_curves(self._model(t), t, sample, self.slots, self.taus, self.tokens_per_step,
                                      tau_floor=self.tau_floor, target_utilisation=self.cfg.target_utilisation,
                                      shapes=self.shapes, pressure_share=self.pressure_share,
-                                     last_block_fill=self.last_block_fill)
+                                     last_block_fill=self.last_block_fill if self.cfg.price_answer_ends else 1.0)
                   for t in needed}
         return evaluate_layouts(layouts, curves, rate)
 

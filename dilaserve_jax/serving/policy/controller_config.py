@@ -29,6 +29,13 @@ class ControllerConfig:
     # needs a few hundred for a stable mean service time, and rounds 2 s apart then share most of
     # their sample (the last 64 alone made the capacity swing by a sixth from round to round)
     sample_size: int = 256
+    # price a request's last block at the share the instances report their requests decode before
+    # the answer ends (answer_fill.py), not the whole block. Closer to the simulator at moderate load
+    # (latency within 4% at 10 req/s instead of 18-32% high), but it loses at the edge of capacity:
+    # on a step 20 -> 90 -> 20 req/s it chose 4x2 at the jump where 8x1 holds (-8 and -10 points on
+    # two seeds of three; docs/simulation.md), so it is off by default
+    price_answer_ends: bool = opt(False, "cluster controller: price each request's last block at the share of it "
+                                         "the instances report answers decode before they end")
     tokens_per_step_smoothing: float = 0.2  # weight of each round's τ -> tokens/step estimate
     bandwidth_gbps: float = opt(100.0, "device-to-device bandwidth (GB/s into each device) the controller assumes "
                                        "for resharding", name="--interconnect-gbps")
