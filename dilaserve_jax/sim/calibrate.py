@@ -117,12 +117,11 @@ def predict_point(cfg: CalibrateConfig, rate: float, seed: int, layouts: list[st
     for end in ends:
         ctl = sim._controller(cands)
         fill = LastBlockFill()  # what the instances would publish as the window's requests finish
-        for s in specs:
-            if end - window <= s.arrival < end:
-                ctl.observe(_shape(s, sim_cfg), s.arrival)
-                fill.observe(s.finish_tokens or s.answer_length, s.answer_length, s.block_length)
-        ctl.set_last_block_fill(fill.mean)
         window_specs = [s for s in specs if end - window <= s.arrival < end]
+        for s in window_specs:
+            ctl.observe(_shape(s, sim_cfg), s.arrival)
+            fill.observe(s.finish_tokens or s.answer_length, s.answer_length, s.block_length)
+        ctl.set_last_block_fill(fill.mean)
         if m.quality is not None and window_specs:
             ctl.set_tokens_per_step(ctl.taus, published_rates(m.quality, window_specs, ctl.taus), smooth=False)
         rate_seen, sample = ctl.load(float(end))

@@ -205,9 +205,11 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
     # with late riders each batch carries k more (full batches stay full): built once, for both chains
     k = min(late_riders, slots)
     heavier = (lambda a: np.concatenate([a[k:], np.repeat(a[-1:], k, axis=0)])) if k else None
+    loaded_times, loaded_mean = (heavier(times), heavier(mean_t)) if k else (None, None)
+    loaded_plan = (loaded_times if plan is times else heavier(plan)) if k else None
 
     def solve(allowed: np.ndarray):
-        plain = _Chain(times, allowed, floor_idx, slo, taus_arr, slots, depth, lowest, plan)
+        plain = _Chain(times, mean_t, allowed, floor_idx, slo, taus_arr, slots, depth, lowest, plan)
         att, lat, tau, batch, late_t = plain.solve(rates)
         if not k:
             return att, lat, tau
@@ -218,8 +220,8 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
         # (Little's law), at most all of the time (a late backlog that grows). Without this the
         # chain was up to 35 points optimistic where many requests miss even on an idle instance
         # (SLOs tight for the TP degree: a TP-1 instance under SLOs set by a TP-8 one)
-        loaded = _Chain(heavier(times), allowed, floor_idx, slo, taus_arr, slots, depth, lowest,
-                        heavier(plan)).solve(rates)
+        loaded = _Chain(loaded_times, loaded_mean, allowed, floor_idx, slo, taus_arr, slots, depth, lowest,
+                        loaded_plan).solve(rates)
         share = np.clip(rates * (1.0 - att) * late_t / k, 0.0, 1.0)
         return tuple(share * h + (1.0 - share) * p for h, p in zip(loaded[:3], (att, lat, tau)))
     attainment, latency_s, tau_mean = solve(allowed_j)
@@ -249,9 +251,11 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
 class _Chain:
     """The birth-death chain of `instance_curves`, over the requests in time an arrival finds."""
 
-    def __init__(self, times, allowed_j, floor_idx, slo, taus, slots: int, depth: int, lowest: int, plan=None):
-        """`times` [B, T, J]: what serving takes; `plan`: what the planner prices it at (None: the same)."""
-        self.times, self.mean_t, self.allowed_j, self.floor_idx = times, times.mean(axis=2), allowed_j, floor_idx
+    def __init__(self, times, mean_t, allowed_j, floor_idx, slo, taus, slots: int, depth: int, lowest: int,
+                 plan=None):
+        """`times` [B, T, J]: what serving takes (`mean_t`: its mean over J); `plan`: what the planner
+        prices it at (None: the same)."""
+        self.times, self.mean_t, self.allowed_j, self.floor_idx = times, mean_t, allowed_j, floor_idx
         self.plan = times if plan is None else plan
         self.slo, self.taus, self.slots, self.lowest = slo, taus, slots, lowest
         self.n = np.arange(slots + depth)
@@ -264,12 +268,10 @@ class _Chain:
         ahead = np.maximum(0, n + 1 - slots)  # departures to wait for
         wait = ahead[:, None] * mean_t[slots - 1][None, :] / slots  # [N, T] at that τ for everyone
         own = times[batch_idx]  # [N, T, J]
+        # the τ it gets and whether it is at risk: by the planner's prices
         plan = self.plan
-        if plan is times:
-            fits = self.allowed_j[None] & (wait[:, :, None] + own <= self.slo[None, None, :])
-        else:  # the planner's choice, by its own prices
-            plan_wait = ahead[:, None] * plan[slots - 1].mean(axis=1)[None, :] / slots
-            fits = self.allowed_j[None] & (plan_wait[:, :, None] + plan[batch_idx] <= self.slo[None, None, :])
+        plan_wait = wait if plan is times else ahead[:, None] * plan[slots - 1].mean(axis=1)[None, :] / slots
+        fits = self.allowed_j[None] & (plan_wait[:, :, None] + plan[batch_idx] <= self.slo[None, None, :])
         met = fits.any(axis=1)  # [N, J]
         chosen = np.where(met, fits.argmax(axis=1), self.floor_idx[None, :])  # [N, J] highest τ that fits
         own_t = np.take_along_axis(own, chosen[:, None, :], axis=1)[:, 0, :]  # [N, J]
