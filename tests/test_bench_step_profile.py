@@ -70,7 +70,8 @@ def test_step_timing_and_stage_profile_of_a_real_step(decoder_after_refresh):
     assert 0 < parts["outside_min_ms"] <= parts["outside_ms"] < parts["step_ms"]
     assert "get" not in vars(dec.compiled)  # the timing wrapper is gone again
     assert parts["step_min_ms"] <= parts["step_ms"] and parts["compiled_min_ms"] <= parts["compiled_ms"]
-    profile = stage_profile(dec, False, [0, 1], repeats=1)
+    # averaged over 3 steps: one step's figure can carry a whole preemption of the machine's threads
+    profile = stage_profile(dec, False, [0, 1], repeats=3)
     busy = profile["busy_ms"]
     assert set(busy) == {*STAGES, OTHER}
     assert busy["layers"] > 0 and busy["layers"] == max(busy.values())  # the model dominates a step
