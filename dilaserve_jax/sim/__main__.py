@@ -20,7 +20,8 @@ from dilaserve_jax.sim.workload import (RequestSpec, TinyShapes, arrival_times, 
                                         load_trace, parse_slo)
 
 log = logging.getLogger(__name__)
-CONTROLLER_FLAGS = ("interval_s", "min_dwell_s", "bandwidth_gbps", "compile_s", "load_s", "price_answer_ends")
+CONTROLLER_FLAGS = ("interval_s", "min_dwell_s", "bandwidth_gbps", "compile_s", "load_s", "price_answer_ends",
+                    "feedback_min_requests")
 
 
 @dataclass(frozen=True, slots=True)

@@ -237,3 +237,40 @@ def test_answers_that_end_early_in_their_last_block_are_predicted_faster(tp_late
     assert off.predict(20.0, [SHAPE] * 4, layouts) == full
     with pytest.raises(ValueError, match="fill"):
         ctl.set_last_block_fill(0.0)
+
+
+def _steady(ctl, rate, seconds, realised, layout=(8,)):
+    """Arrivals at `rate` for `seconds`, each round told the current layout realised `realised`."""
+    now, lay, next_arrival = 0.0, tuple(layout), 0.0
+    while now < seconds:
+        while next_arrival <= now:
+            ctl.observe(SHAPE, next_arrival)
+            next_arrival += 1.0 / rate
+        d = ctl.decide(now, lay, realised=realised)
+        if d.switch:
+            lay = parse_layout(d.chosen)
+            ctl.switched(now)
+        now += ctl.cfg.interval_s
+    return lay
+
+
+def test_a_layout_realising_far_less_than_predicted_is_priced_at_a_heavier_load(tp_latency):
+    # at 60 req/s one TP-8 instance is predicted best and to meet nearly every deadline
+    kept = make(tp_latency)
+    assert _steady(kept, 60.0, 30.0, realised=(99, 100)) == (8,)
+    settled = [d for d in kept.history if d.time >= kept.cfg.window_s]  # (a full window of arrivals)
+    assert settled and all(d.rate == pytest.approx(60.0, rel=0.1) and d.realised is not None for d in settled)
+    assert kept.history[-1].realised == pytest.approx(0.99)
+    # told it realised a fifth of them, it prices every layout at the rate where its own prediction
+    # falls that low, and moves to more, narrower instances
+    ctl = make(tp_latency)
+    assert len(_steady(ctl, 60.0, 30.0, realised=(20, 100))) > 1
+    checked = [d for d in ctl.history if "priced at" in d.reason and d.time >= ctl.cfg.window_s]
+    assert checked and all(60.0 * 1.05 < d.rate <= 60.0 * ctl.cfg.feedback_max_scale * 1.05 for d in checked)
+    first = checked[0]
+    assert ctl.predict(first.rate, [SHAPE], [(8,)])[0].attainment <= 0.2 + 0.01 \
+        or first.rate == pytest.approx(60.0 * ctl.cfg.feedback_max_scale, rel=0.1)
+    # too few requests to judge by, or feedback off: the arrival rate alone
+    for few in (make(tp_latency), make(tp_latency, feedback_min_requests=0)):
+        assert _steady(few, 60.0, 30.0, realised=(2, 10) if few.cfg.feedback_min_requests else (20, 100)) == (8,)
+        assert not any("priced at" in d.reason for d in few.history)

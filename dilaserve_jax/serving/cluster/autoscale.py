@@ -20,6 +20,7 @@ from dilaserve_jax.serving.cluster.state import ControllerState
 from dilaserve_jax.serving.policy.answer_fill import pooled_fill
 from dilaserve_jax.serving.policy.capacity import RequestShape
 from dilaserve_jax.serving.policy.controller import AtRisk, ClusterController, Decision, Migration
+from dilaserve_jax.serving.policy.outcomes import realised
 from dilaserve_jax.serving.policy.request import Request
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,10 @@ class Autoscaler:
         slack = [d - now for s in snaps for d in s.load.deadlines]
         current = tuple(i.tp_degree for i in cluster.infos if cluster.engine(i.name).healthy) or \
             tuple(i.tp_degree for i in cluster.infos)
-        decision = ctl.decide(now, current, in_flight_slack=slack, compiled=cluster.compiled_placements())
+        since = ctl.feedback_since(now)
+        got = realised((s.load.outcomes for s in snaps), (d for s in snaps for d in s.load.deadlines), since, now)
+        decision = ctl.decide(now, current, in_flight_slack=slack, compiled=cluster.compiled_placements(),
+                              realised=got)
         if decision.switch:
             log.info("controller: %s", decision)
             report = cluster.reconfigure(decision.chosen, reason="controller")

@@ -84,6 +84,7 @@ class ClusterController:
         self.last_switch: float | None = None
         self._streak: tuple[str, int] = ("", 0)
         self._moved: dict[str, float] = {}
+        self._round: tuple[Sequence[RequestShape], dict] | None = None  # (sample, curves) of the decision under way
 
     # --- inputs ---
     def observe(self, shape: RequestShape, now: float) -> None:
@@ -159,19 +160,56 @@ class ClusterController:
     def predict(self, rate: float, sample: Sequence[RequestShape],
                 layouts: Sequence[tuple[int, ...]] | None = None) -> list[LayoutPrediction]:
         layouts = list(self.candidates if layouts is None else layouts)
-        needed = sorted({t for lay in layouts for t in lay})
-        curves = {t: instance_curves(self._model(t), t, sample, self.slots, self.taus, self.tokens_per_step,
-                                     tau_floor=self.tau_floor, target_utilisation=self.cfg.target_utilisation,
-                                     shapes=self.shapes, pressure_share=self.pressure_share,
-                                     last_block_fill=self.last_block_fill if self.cfg.price_answer_ends else 1.0)
-                  for t in needed}
-        return evaluate_layouts(layouts, curves, rate)
+        return evaluate_layouts(layouts, self._curves(sample, layouts), rate)
+
+    def _curves(self, sample: Sequence[RequestShape], layouts: Sequence[tuple[int, ...]]) -> dict:
+        # within one decision the sample is one list: its curves are made once (`_round`)
+        curves = self._round[1] if self._round is not None and self._round[0] is sample else {}
+        for t in sorted({t for lay in layouts for t in lay} - curves.keys()):
+            curves[t] = instance_curves(self._model(t), t, sample, self.slots, self.taus, self.tokens_per_step,
+                                        tau_floor=self.tau_floor, target_utilisation=self.cfg.target_utilisation,
+                                        shapes=self.shapes, pressure_share=self.pressure_share,
+                                        last_block_fill=self.last_block_fill if self.cfg.price_answer_ends else 1.0)
+        return curves
+
+    def feedback_since(self, now: float) -> float:
+        """Outcomes from this time on count as the current layout's (see `decide`'s `realised`)."""
+        start = now - self.cfg.feedback_window_s
+        return start if self.last_switch is None else max(start, self.last_switch)
+
+    def _checked_rate(self, current: tuple[int, ...], sample: Sequence[RequestShape], rate: float,
+                      realised: tuple[int, int] | None) -> tuple[float, float | None]:
+        """(the rate to price every layout at, the realised attainment when it was checked): the
+        arrival rate, or, when the current layout realises less than predicted there beyond the
+        tolerance and the noise, the rate at which its prediction falls to what it realised (the
+        load it behaves as if it had: a backlog, or a model that prices its steps too cheaply)."""
+        if realised is None or not self.cfg.feedback_min_requests or realised[1] < self.cfg.feedback_min_requests:
+            return rate, None
+        met, n = realised
+        got = met / n
+        curves = self._curves(sample, [current])
+        noise = 2.0 * (max(got * (1.0 - got), 0.05 * 0.95) / n) ** 0.5
+
+        def att(r: float) -> float:
+            return evaluate_layouts([current], curves, r)[0].attainment
+
+        if rate <= 0 or got >= att(rate) - max(self.cfg.feedback_tolerance, noise):
+            return rate, got
+        lo, hi = rate, rate * self.cfg.feedback_max_scale
+        if att(hi) > got:
+            return hi, got
+        for _ in range(12):  # to 1/4096 of the bracket
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if att(mid) > got else (lo, mid)
+        return hi, got
 
     def decide(self, now: float, current: Sequence[int], *, in_flight_slack: Sequence[float] = (),
-               compiled: frozenset[tuple[int, int]] = frozenset()) -> Decision:
+               compiled: frozenset[tuple[int, int]] = frozenset(),
+               realised: tuple[int, int] | None = None) -> Decision:
         """Choose the layout for the next period. `in_flight_slack`: deadline - now of the requests
         in flight (charged if a switch would pause them past it); `compiled`: (TP, first device)
-        placements whose executables exist."""
+        placements whose executables exist; `realised`: (met, counted) of the requests the current
+        layout finished since `feedback_since(now)` plus those in flight past their deadline."""
         t0 = time.perf_counter()
         current = tuple(sorted(current, reverse=True))
         cur_text = layout_text(current)
@@ -188,7 +226,15 @@ class ClusterController:
             return self._record(Decision(now, cur_text, cur_text, False, "no arrivals in the window", rate,
                                          seconds=time.perf_counter() - t0))
         layouts = list(dict.fromkeys([current, *self.candidates]))
-        preds = {p.layout: p for p in self.predict(rate, sample, layouts)}
+        arrival_rate = rate
+        self._round = (sample, {})
+        try:
+            rate, got = self._checked_rate(current, sample, rate, realised)
+            preds = {p.layout: p for p in self.predict(rate, sample, layouts)}
+        finally:
+            self._round = None
+        checked = "" if rate == arrival_rate else (f" [priced at {rate:.1f} req/s, not {arrival_rate:.1f}: "
+                                                   f"{cur_text} realised {got:.1%}, below its prediction]")
         now_pred = preds[current]
         ref_lat = now_pred.latency_s  # (value() guards a zero)
 
@@ -206,8 +252,8 @@ class ClusterController:
         predicted.setdefault(cur_text, (now_pred.attainment, now_pred.latency_s, now_pred.tau))
         if best.layout == current:
             self._streak = ("", 0)
-            return self._record(Decision(now, cur_text, cur_text, False, "the current layout predicts best", rate,
-                                         predicted, seconds=time.perf_counter() - t0))
+            return self._record(Decision(now, cur_text, cur_text, False, "the current layout predicts best" + checked,
+                                         rate, predicted, seconds=time.perf_counter() - t0, realised=got))
         switch_s, pause_s = self.switch_seconds(current, best.layout, sample, compiled)
         # charged as misses: requests in flight with less slack than the pause, and the share of the
         # arrivals during the pause whose SLO is that tight
@@ -243,10 +289,10 @@ class ClusterController:
             return self._record(Decision(now, cur_text, best_text, True,
                                          f"gain {gain:.3f} > cost {cost:.3f} + "
                                          f"{'hysteresis' if level is None else 'level-shift margin'}; "
-                                         f"switch ~{switch_s:.1f} s",
-                                         rate, predicted, cost, time.perf_counter() - t0))
-        return self._record(Decision(now, cur_text, best_text, False, reason, rate, predicted, cost,
-                                     time.perf_counter() - t0))
+                                         f"switch ~{switch_s:.1f} s" + checked,
+                                         rate, predicted, cost, time.perf_counter() - t0, got))
+        return self._record(Decision(now, cur_text, best_text, False, reason + checked, rate, predicted, cost,
+                                     time.perf_counter() - t0, got))
 
     def switched(self, now: float) -> None:
         """The actuator applied a switch (manual ones too): the dwell time starts now."""

@@ -36,6 +36,17 @@ class ControllerConfig:
     # two seeds of three; docs/simulation.md), so it is off by default
     price_answer_ends: bool = opt(False, "cluster controller: price each request's last block at the share of it "
                                          "the instances report answers decode before they end")
+    # feedback (controller.py): when the current layout realises, over the last `feedback_window_s`
+    # since it began serving, attainment below its prediction by more than `feedback_tolerance` (and
+    # by more than two binomial standard deviations, over at least `feedback_min_requests`), every
+    # layout is priced at the rate at which the current one's prediction matches what it realised
+    # (at most `feedback_max_scale` times the arrival rate). 0 requests: off
+    feedback_window_s: float = 15.0
+    feedback_min_requests: int = opt(50, "cluster controller: finished or overdue requests needed before its "
+                                         "prediction for the current layout is checked against what that "
+                                         "layout realised (0: never)")
+    feedback_tolerance: float = 0.05
+    feedback_max_scale: float = 2.0
     tokens_per_step_smoothing: float = 0.2  # weight of each round's τ -> tokens/step estimate
     bandwidth_gbps: float = opt(100.0, "device-to-device bandwidth (GB/s into each device) the controller assumes "
                                        "for resharding", name="--interconnect-gbps")
@@ -57,6 +68,9 @@ class ControllerConfig:
             raise ValueError("settle tolerance must be >= 0 (or None: off)")
         if not 0 < self.target_utilisation <= 1 or self.sample_size < 1 or self.max_migrations < 0:
             raise ValueError("target utilisation in (0, 1], sample size >= 1, max migrations >= 0")
+        if self.feedback_window_s <= 0 or self.feedback_min_requests < 0 or self.feedback_tolerance < 0 \
+                or self.feedback_max_scale < 1:
+            raise ValueError("feedback window > 0, min requests >= 0, tolerance >= 0, max scale >= 1")
         if not 0 < self.tokens_per_step_smoothing <= 1:
             raise ValueError("tokens/step smoothing must be in (0, 1] (1: no smoothing)")
 
@@ -78,6 +92,7 @@ class Decision:
     predicted: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)
     cost: float = 0.0  # objective units
     seconds: float = 0.0  # how long deciding took
+    realised: float | None = None  # the current layout's realised attainment when it was checked (feedback)
 
     def __str__(self) -> str:
         cur = self.predicted.get(self.current)
@@ -86,7 +101,8 @@ class Decision:
         what = f"switch {self.current} -> {self.chosen}" if self.switch else f"stay on {self.current}"
         others = [f"{k} {v[0]:.1%}" for k, v in self.predicted.items() if k not in (self.current, self.chosen)]
         runners_up = f"; then {', '.join(others)}" if others else ""
-        return (f"{what} at {self.rate:.2f} req/s: {self.reason} (now {fmt(cur)}; best {fmt(new)}{runners_up})")
+        got = "" if self.realised is None else f", realised {self.realised:.1%}"
+        return (f"{what} at {self.rate:.2f} req/s: {self.reason} (now {fmt(cur)}{got}; best {fmt(new)}{runners_up})")
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,7 +78,8 @@ class HostsController(ClusterController):
         self._look(live)
 
     def decide(self, now: float, current: Sequence[int], *, in_flight_slack: Sequence[float] = (),
-               compiled: frozenset[tuple[int, int]] = frozenset()) -> Decision:
+               compiled: frozenset[tuple[int, int]] = frozenset(),
+               realised: tuple[int, int] | None = None) -> Decision:
         """As `ClusterController.decide` (`current`: the healthy instances' TP degrees), over the
         live hosts' candidates; the decision's layouts read per host."""
         live = list(self.hosts_now())
@@ -86,7 +87,8 @@ class HostsController(ClusterController):
             text = "|".join(hosts_layout_text([h.layout]) if h.layout else "-" for h in live) or "-"
             return self._record(Decision(now, text, text, False, "a host is joining (no instances yet)", 0.0))
         self._look(live)
-        decision = super().decide(now, current, in_flight_slack=in_flight_slack, compiled=compiled)
+        decision = super().decide(now, current, in_flight_slack=in_flight_slack, compiled=compiled,
+                                  realised=realised)
         per_host = self._on_hosts(decision)
         self.history[-1] = per_host
         return per_host

@@ -36,7 +36,7 @@ class PublishedLoad:
         at_risk += [views.get(r.id) or self._view(r) for r in waiting if r.at_risk]
         deadlines = tuple([r.deadline for r in run] + [r.deadline for r in waiting])
         return LoadSnapshot(now, self.cfg.num_slots, self.cfg.tp, running, self._waiting_prices(b),
-                            self.estimator(), deadlines, tuple(at_risk), self.quality())
+                            self.estimator(), deadlines, tuple(at_risk), self.quality(), self.outcomes.published())
 
     def _view(self, r: Request) -> RequestView:
         v = self._views[r.id] = RequestView.of(r)

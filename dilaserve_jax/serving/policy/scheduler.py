@@ -37,6 +37,7 @@ import bisect
 import math
 
 from dilaserve_jax.serving.policy.answer_fill import LastBlockFill
+from dilaserve_jax.serving.policy.outcomes import RecentOutcomes
 from dilaserve_jax.serving.policy.latency import LatencyModel
 from dilaserve_jax.serving.policy.quality import QualitySnapshot
 from dilaserve_jax.serving.policy.request import Request, RequestState
@@ -69,6 +70,7 @@ class Scheduler(PublishedLoad):
         self._releases: list[int] = []
         self._finished: list[Request] = []
         self.fill = LastBlockFill()  # how much of their last block finished requests decoded (published)
+        self.outcomes = RecentOutcomes()  # finishes and deadlines met (published: the controller's feedback)
         self._memo: dict[tuple, float] = {}  # the latency model's step times (before the online correction)
         self._init_published()
 
@@ -170,6 +172,7 @@ class Scheduler(PublishedLoad):
         if self.cfg.drop_expired:
             for req in [*self.running.values(), *self.waiting]:
                 if req.deadline < now:
+                    self.outcomes.observe(now, False)
                     self._finish(req, RequestState.FINISHED_DEADLINE, now)
         if self.cfg.adaptive:
             self.decisions = self.controller.plan(list(self.running.values()), self.waiting, now,
@@ -353,6 +356,7 @@ class Scheduler(PublishedLoad):
                                     confidence_counts=o.confidence_counts, max_confidence=o.max_confidence)
             if o.request_finished:
                 self.fill.observe(req.committed, req.answer_length, req.block_length)
+                self.outcomes.observe(now, now <= req.deadline)
                 req.output_tokens = list(o.answer)
                 self._finish(req, RequestState.FINISHED_OK, now)
                 done.append(req)

@@ -82,6 +82,7 @@ class LoadSnapshot:
     deadlines: tuple[float, ...] = ()  # of every request here, running and queued
     at_risk: tuple[RequestView, ...] = ()  # requests that cannot meet their deadline here even at τ_min
     quality: QualitySnapshot | None = None  # accuracy-loss budget accounting
+    outcomes: tuple[tuple[float, bool], ...] = ()  # (finish time, deadline met) of the last finishes (outcomes.py)
 
 
 class EngineState(IntEnum):
