@@ -10,6 +10,15 @@ Every `interval_s` the cluster (or the simulator) calls `decide(now, current, sn
   steps costed apart, a round priced as the decoder runs it: one padded step per length bucket
   present in the batch, `StepShapes`), the τ -> tokens/step estimate the instances publish, and
   the router's equal-latency split give each candidate's SLO attainment, mean latency and mean τ.
+- **Feedback.** The prediction for the layout being served is checked against what it realises:
+  the requests it finished over the last `feedback_window_s` (since it began serving), plus those
+  in flight past their deadline, which the instances publish (outcomes.py). When at least
+  `feedback_min_requests` count and the realised attainment is below the prediction by more than
+  `feedback_tolerance` and two binomial standard deviations, every candidate is priced at the rate
+  where the current layout's prediction falls to what it realised (up to `feedback_max_scale`
+  times the arrivals): the load it behaves as if it carried, a backlog or steps the model prices
+  too cheaply. A prediction can only be checked for the layout that runs; the others are compared
+  at the same corrected load, so one optimistic model does not favour the layout it is wrong about.
 - **Objective.** attainment + `tau_weight`·mean τ − `latency_weight`·latency/latency_now: deadlines
   first, then quality, then speed (at low load every layout meets every deadline at τ_max and the
   widest instances finish soonest; at high load narrow instances keep τ high).
