@@ -256,21 +256,23 @@ def _steady(ctl, rate, seconds, realised, layout=(8,)):
 
 def test_a_layout_realising_far_less_than_predicted_is_priced_at_a_heavier_load(tp_latency):
     # at 60 req/s one TP-8 instance is predicted best and to meet nearly every deadline
-    kept = make(tp_latency)
+    kept = make(tp_latency, feedback_min_requests=50)
     assert _steady(kept, 60.0, 30.0, realised=(99, 100)) == (8,)
     settled = [d for d in kept.history if d.time >= kept.cfg.window_s]  # (a full window of arrivals)
     assert settled and all(d.rate == pytest.approx(60.0, rel=0.1) and d.realised is not None for d in settled)
     assert kept.history[-1].realised == pytest.approx(0.99)
     # told it realised a fifth of them, it prices every layout at the rate where its own prediction
     # falls that low, and moves to more, narrower instances
-    ctl = make(tp_latency)
+    ctl = make(tp_latency, feedback_min_requests=50)
     assert len(_steady(ctl, 60.0, 30.0, realised=(20, 100))) > 1
     checked = [d for d in ctl.history if "priced at" in d.reason and d.time >= ctl.cfg.window_s]
     assert checked and all(60.0 * 1.05 < d.rate <= 60.0 * ctl.cfg.feedback_max_scale * 1.05 for d in checked)
     first = checked[0]
     assert ctl.predict(first.rate, [SHAPE], [(8,)])[0].attainment <= 0.2 + 0.01 \
         or first.rate == pytest.approx(60.0 * ctl.cfg.feedback_max_scale, rel=0.1)
-    # too few requests to judge by, or feedback off: the arrival rate alone
-    for few in (make(tp_latency), make(tp_latency, feedback_min_requests=0)):
+    # too few requests to judge by, or feedback off (the default): the arrival rate alone, and what
+    # the layout realised is still recorded
+    for few in (make(tp_latency, feedback_min_requests=50), make(tp_latency)):
         assert _steady(few, 60.0, 30.0, realised=(2, 10) if few.cfg.feedback_min_requests else (20, 100)) == (8,)
         assert not any("priced at" in d.reason for d in few.history)
+        assert few.history[-1].realised == pytest.approx(0.2) and "realised 20.0%" in str(few.history[-1])

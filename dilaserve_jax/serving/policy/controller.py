@@ -192,10 +192,12 @@ class ClusterController:
         arrival rate, or, when the current layout realises less than predicted there beyond the
         tolerance and the noise, the rate at which its prediction falls to what it realised (the
         load it behaves as if it had: a backlog, or a model that prices its steps too cheaply)."""
-        if realised is None or not self.cfg.feedback_min_requests or realised[1] < self.cfg.feedback_min_requests:
+        if realised is None or not realised[1]:
             return rate, None
         met, n = realised
-        got = met / n
+        got = met / n  # recorded with the decision either way
+        if not self.cfg.feedback_min_requests or n < self.cfg.feedback_min_requests:
+            return rate, got
         curves = self._curves(sample, [current])
         noise = 2.0 * (max(got * (1.0 - got), 0.05 * 0.95) / n) ** 0.5
 

@@ -40,11 +40,14 @@ class ControllerConfig:
     # since it began serving, attainment below its prediction by more than `feedback_tolerance` (and
     # by more than two binomial standard deviations, over at least `feedback_min_requests`), every
     # layout is priced at the rate at which the current one's prediction matches what it realised
-    # (at most `feedback_max_scale` times the arrival rate). 0 requests: off
+    # (at most `feedback_max_scale` times the arrival rate). 0 requests: off, the default: it rescues
+    # `price_answer_ends` on a step 20 -> 90 -> 20 req/s, but on the bursty sped-up code trace it
+    # switched 9-10 times where the controller without it switches 3, and lost 3.6-4 points
+    # (docs/simulation.md, "Feedback from the layout being served")
     feedback_window_s: float = 15.0
-    feedback_min_requests: int = opt(50, "cluster controller: finished or overdue requests needed before its "
-                                         "prediction for the current layout is checked against what that "
-                                         "layout realised (0: never)")
+    feedback_min_requests: int = opt(0, "cluster controller: finished or overdue requests needed before its "
+                                        "prediction for the current layout is corrected to what that layout "
+                                        "realised (0: never; the realised share is recorded either way)")
     feedback_tolerance: float = 0.05
     feedback_max_scale: float = 2.0
     tokens_per_step_smoothing: float = 0.2  # weight of each round's τ -> tokens/step estimate
