@@ -178,5 +178,9 @@ def test_the_autoscaler_moves_an_at_risk_request_to_the_idle_instance(tp_latency
         moved = [r for r in results if r.moves]
         assert moved and all(r.instance == "tp4@4-7" for r in moved)
         assert all(r.state == RequestState.FINISHED_OK for r in results)
+        # the next round checks its prediction against what the layout realised: these six
+        d = scaler.round(time.monotonic())
+        assert d.realised == pytest.approx(sum(r.deadline_met for r in results) / len(results))
+        assert f"realised {d.realised:.1%}" in str(d)
     finally:
         cluster.stop()
