@@ -202,7 +202,7 @@ def _scripted(tp_latency, rounds):
         ctl.observe(SHAPE, i * 0.1)
     script = iter(rounds)
 
-    def predict(rate, sample, layouts=None):
+    def predict(rate, sample, layouts=None, curves=None):
         atts = {(8,): 0.5, **next(script)}
         return [LayoutPrediction(lay, a, 0.1, 0.9) for lay, a in atts.items()]
 

@@ -93,7 +93,6 @@ class ClusterController:
         self.last_switch: float | None = None
         self._streak: tuple[str, int] = ("", 0)
         self._moved: dict[str, float] = {}
-        self._round: tuple[Sequence[RequestShape], dict] | None = None  # (sample, curves) of the decision under way
 
     # --- inputs ---
     def observe(self, shape: RequestShape, now: float) -> None:
@@ -167,26 +166,25 @@ class ClusterController:
 
     # --- the layout decision ---
     def predict(self, rate: float, sample: Sequence[RequestShape],
-                layouts: Sequence[tuple[int, ...]] | None = None) -> list[LayoutPrediction]:
+                layouts: Sequence[tuple[int, ...]] | None = None, curves: Mapping | None = None
+                ) -> list[LayoutPrediction]:
+        """`curves`: the sample's per-TP curves when made already (`_curves`)."""
         layouts = list(self.candidates if layouts is None else layouts)
-        return evaluate_layouts(layouts, self._curves(sample, layouts), rate)
+        return evaluate_layouts(layouts, self._curves(sample, layouts) if curves is None else curves, rate)
 
     def _curves(self, sample: Sequence[RequestShape], layouts: Sequence[tuple[int, ...]]) -> dict:
-        # within one decision the sample is one list: its curves are made once (`_round`)
-        curves = self._round[1] if self._round is not None and self._round[0] is sample else {}
-        for t in sorted({t for lay in layouts for t in lay} - curves.keys()):
-            curves[t] = instance_curves(self._model(t), t, sample, self.slots, self.taus, self.tokens_per_step,
-                                        tau_floor=self.tau_floor, target_utilisation=self.cfg.target_utilisation,
-                                        shapes=self.shapes, pressure_share=self.pressure_share,
-                                        last_block_fill=self.last_block_fill if self.cfg.price_answer_ends else 1.0)
-        return curves
+        return {t: instance_curves(self._model(t), t, sample, self.slots, self.taus, self.tokens_per_step,
+                                   tau_floor=self.tau_floor, target_utilisation=self.cfg.target_utilisation,
+                                   shapes=self.shapes, pressure_share=self.pressure_share,
+                                   last_block_fill=self.last_block_fill if self.cfg.price_answer_ends else 1.0)
+                for t in sorted({t for lay in layouts for t in lay})}
 
     def feedback_since(self, now: float) -> float:
         """Outcomes from this time on count as the current layout's (see `decide`'s `realised`)."""
         start = now - self.cfg.feedback_window_s
         return start if self.last_switch is None else max(start, self.last_switch)
 
-    def _checked_rate(self, current: tuple[int, ...], sample: Sequence[RequestShape], rate: float,
+    def _checked_rate(self, current: tuple[int, ...], curves: Mapping, rate: float,
                       realised: tuple[int, int] | None) -> tuple[float, float | None]:
         """(the rate to price every layout at, the realised attainment when it was checked): the
         arrival rate, or, when the current layout realises less than predicted there beyond the
@@ -198,7 +196,6 @@ class ClusterController:
         got = met / n  # recorded with the decision either way
         if not self.cfg.feedback_min_requests or n < self.cfg.feedback_min_requests:
             return rate, got
-        curves = self._curves(sample, [current])
         noise = 2.0 * (max(got * (1.0 - got), 0.05 * 0.95) / n) ** 0.5
 
         def att(r: float) -> float:
@@ -238,12 +235,9 @@ class ClusterController:
                                          seconds=time.perf_counter() - t0))
         layouts = list(dict.fromkeys([current, *self.candidates]))
         arrival_rate = rate
-        self._round = (sample, {})
-        try:
-            rate, got = self._checked_rate(current, sample, rate, realised)
-            preds = {p.layout: p for p in self.predict(rate, sample, layouts)}
-        finally:
-            self._round = None
+        curves = self._curves(sample, layouts)  # once: the check and the prediction share them
+        rate, got = self._checked_rate(current, curves, rate, realised)
+        preds = {p.layout: p for p in self.predict(rate, sample, layouts, curves)}
         checked = "" if rate == arrival_rate else (f" [priced at {rate:.1f} req/s, not {arrival_rate:.1f}: "
                                                    f"{cur_text} realised {got:.1%}, below its prediction]")
         now_pred = preds[current]
