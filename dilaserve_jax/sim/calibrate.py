@@ -127,7 +127,7 @@ def predict_point(cfg: CalibrateConfig, rate: float, seed: int, layouts: list[st
         rate_seen, sample = ctl.load(float(end))
         if not sample:
             continue
-        for p in ctl.predict(rate_seen, sample, cands):
+        for p in ctl.predict(rate_seen, sample, cands, spread=ctl.spread(float(end), sample)):
             preds[layout_text(p.layout)].append((p.attainment, p.latency_s, p.tau))
     return {k: tuple(float(np.mean([v[i] for v in vals])) for i in range(3)) for k, vals in preds.items() if vals}
 

@@ -243,7 +243,8 @@ class Simulation:
         controller = self._controller(cands)
         for s in first:  # the load as the controller itself measures it after the first window
             controller.observe(_shape(s, cfg), s.arrival)
-        preds = controller.predict(*controller.load(first[-1].arrival))
+        rate, sample = controller.load(first[-1].arrival)
+        preds = controller.predict(rate, sample, spread=controller.spread(first[-1].arrival, sample))
         ref = min(p.latency_s for p in preds)
         best = max(preds, key=lambda p: cfg.controller.value(p.attainment, p.tau, p.latency_s, ref))
         return layout_text(best.layout)

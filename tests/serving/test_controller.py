@@ -2,11 +2,12 @@
 both directions, does not flap, moves at-risk requests, and decides fast at 64 devices."""
 import time
 
+import numpy as np
 import pytest
 
 from dilaserve_jax.core.layouts import (binary_partitions, every_placement, layout_text, moved_fraction, parse_layout,
                                         placements)
-from dilaserve_jax.serving.policy.capacity import LayoutPrediction, RequestShape
+from dilaserve_jax.serving.policy.capacity import LayoutPrediction, RequestShape, burst_spread
 from dilaserve_jax.serving.policy.controller import AtRisk, ClusterController, ControllerConfig
 from dilaserve_jax.serving.cluster.fake_runner import fake_tp_profile
 from dilaserve_jax.serving.policy.latency import LatencyModel
@@ -202,7 +203,7 @@ def _scripted(tp_latency, rounds):
         ctl.observe(SHAPE, i * 0.1)
     script = iter(rounds)
 
-    def predict(rate, sample, layouts=None, curves=None):
+    def predict(rate, sample, layouts=None, curves=None, spread=None):
         atts = {(8,): 0.5, **next(script)}
         return [LayoutPrediction(lay, a, 0.1, 0.9) for lay, a in atts.items()]
 
@@ -276,3 +277,49 @@ def test_a_layout_realising_far_less_than_predicted_is_priced_at_a_heavier_load(
         assert _steady(few, 60.0, 30.0, realised=(2, 10) if few.cfg.feedback_min_requests else (20, 100)) == (8,)
         assert not any("priced at" in d.reason for d in few.history)
         assert few.history[-1].realised == pytest.approx(0.2) and "realised 20.0%" in str(few.history[-1])
+
+
+def test_poisson_arrivals_have_no_spread_and_bursts_are_priced_at_their_rate():
+    rng = np.random.default_rng(0)
+    poisson = np.cumsum(rng.exponential(1 / 50.0, 1500))
+    poisson = poisson[poisson < 30.0]
+    assert burst_spread(poisson, 0.0, 30.0, 2.0) is None  # within Poisson noise: the mean rate as before
+    # the same number of arrivals, all in the first second of every 6
+    bursts = np.concatenate([k * 6.0 + rng.uniform(0, 1.0, len(poisson) // 5) for k in range(5)])
+    spread = burst_spread(bursts, 0.0, 30.0, 2.0)
+    assert spread is not None and sum(w for _, w in spread) == pytest.approx(1.0)
+    # every arrival came in a bin that held 3 times the mean (one busy bin in three): nearly all of
+    # that excess is beyond the noise and kept
+    mean_mult = sum(m * w for m, w in spread)
+    assert 2.5 < mean_mult <= 3.0 + 1e-9
+    assert burst_spread(bursts, 0.0, 30.0, 2.0, levels=3) is not None
+    assert len(burst_spread(bursts, 0.0, 30.0, 2.0, levels=3)) <= 3
+    assert burst_spread(bursts[:10], 0.0, 30.0, 2.0) is None  # too few arrivals to judge
+
+
+def test_a_bursty_window_is_predicted_below_a_steady_one_at_the_same_mean_rate(tp_latency):
+    def window(ctl, times):
+        for t in times:
+            ctl.observe(SHAPE, float(t))
+        now = 10.0
+        rate, sample = ctl.load(now)
+        return {p.layout: p for p in ctl.predict(rate, sample, [(8,), (1,) * 8], spread=ctl.spread(now, sample))}
+
+    # 240 req/s over the 10 s window: one TP-8 instance holds it, not twice as much; eight TP-1
+    # instances hold both. Bursty: every arrival within 0.2 s of 0.5 s or 5.5 s (the bins here are
+    # a quarter of the window); steady: the same number evenly spaced
+    rng = np.random.default_rng(1)
+    bursty = np.sort(np.concatenate([5 * k + 0.5 + rng.uniform(0, 0.2, 1200) for k in range(2)]))
+    bursty = bursty[bursty < 10.0]
+    steady = np.linspace(0.0, 10.0, len(bursty), endpoint=False)
+    on, plain = make(tp_latency, price_bursts=True), make(tp_latency)
+    steady_pred, blind = window(make(tp_latency, price_bursts=True), steady), window(plain, bursty)
+    bursty_pred = window(on, bursty)
+    assert on.spread(10.0, [SHAPE]) is not None
+    assert bursty_pred[(8,)].attainment < steady_pred[(8,)].attainment - 0.2  # the bursts cost its deadlines
+    assert bursty_pred[(1,) * 8].attainment > 0.9  # the layout that holds a burst keeps them
+    assert bursty_pred[(1,) * 8].attainment - bursty_pred[(8,)].attainment \
+        > steady_pred[(1,) * 8].attainment - steady_pred[(8,)].attainment + 0.2
+    # without it only the mean rate counts
+    for lay, p in blind.items():
+        assert p.attainment == pytest.approx(steady_pred[lay].attainment, abs=0.02)

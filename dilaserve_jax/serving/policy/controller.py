@@ -52,8 +52,8 @@ from collections import deque
 from typing import Mapping, Sequence
 
 from dilaserve_jax.core.layouts import binary_partitions, layout_text, moved_fraction, parse_layout, placements
-from dilaserve_jax.serving.policy.capacity import (LayoutPrediction, RequestShape, StepShapes, evaluate_layouts,
-                                                   instance_curves)
+from dilaserve_jax.serving.policy.capacity import (LayoutPrediction, RequestShape, StepShapes, burst_spread,
+                                                   evaluate_layouts, instance_curves)
 from dilaserve_jax.serving.policy.controller_config import (  # noqa: F401 - re-exported: the controller's API
     AtRisk, ControllerConfig, Decision, Migration)
 from dilaserve_jax.serving.policy.latency import LatencyModel
@@ -166,11 +166,32 @@ class ClusterController:
 
     # --- the layout decision ---
     def predict(self, rate: float, sample: Sequence[RequestShape],
-                layouts: Sequence[tuple[int, ...]] | None = None, curves: Mapping | None = None
-                ) -> list[LayoutPrediction]:
-        """`curves`: the sample's per-TP curves when made already (`_curves`)."""
+                layouts: Sequence[tuple[int, ...]] | None = None, curves: Mapping | None = None,
+                spread: Sequence[tuple[float, float]] | None = None) -> list[LayoutPrediction]:
+        """`curves`: the sample's per-TP curves when made already (`_curves`); `spread`: the
+        window's bursts (`spread`), None to price every arrival at `rate`."""
         layouts = list(self.candidates if layouts is None else layouts)
-        return evaluate_layouts(layouts, self._curves(sample, layouts) if curves is None else curves, rate)
+        return evaluate_layouts(layouts, self._curves(sample, layouts) if curves is None else curves, rate,
+                                spread=spread)
+
+    def spread(self, now: float, sample: Sequence[RequestShape],
+               span: float | None = None) -> list[tuple[float, float]] | None:
+        """With `price_bursts`: how the window's arrivals bunch, as `capacity.burst_spread` gives it
+        over bins `burst_bin_slos` times the sample's median SLO long (at least 1 s, at most a
+        quarter of the window), over the last `span` seconds (default: the window; the span the
+        priced rate is measured over, so that a step within the window is not read as bursts of
+        it); None when off, or when the arrivals are Poisson-like.
+
+        The bins are long against the SLO because each is priced as a steady load: a burst of
+        length L at rate λ above the capacity C serves about C·(L + SLO) of its λ·L requests in
+        time (the queue it leaves drains after it), the chain C·L; and a bin much shorter than the
+        SLO prices as lost requests that a quiet bin after it would serve."""
+        if not self.cfg.price_bursts or not sample:
+            return None
+        slos = sorted(r.slo_s for r in sample)
+        span = self.cfg.window_s if span is None else span
+        bin_s = min(max(slos[len(slos) // 2] * self.cfg.burst_bin_slos, 1.0), span / 4)
+        return burst_spread(self._times(now), now - span, now, bin_s, self.cfg.burst_levels)
 
     def _curves(self, sample: Sequence[RequestShape], layouts: Sequence[tuple[int, ...]]) -> dict:
         return {t: instance_curves(self._model(t), t, sample, self.slots, self.taus, self.tokens_per_step,
@@ -185,7 +206,8 @@ class ClusterController:
         return start if self.last_switch is None else max(start, self.last_switch)
 
     def _checked_rate(self, current: tuple[int, ...], curves: Mapping, rate: float,
-                      realised: tuple[int, int] | None) -> tuple[float, float | None]:
+                      realised: tuple[int, int] | None,
+                      spread: Sequence[tuple[float, float]] | None = None) -> tuple[float, float | None]:
         """(the rate to price every layout at, the realised attainment when it was checked): the
         arrival rate, or, when the current layout realises less than predicted there beyond the
         tolerance and the noise, the rate at which its prediction falls to what it realised (the
@@ -199,7 +221,7 @@ class ClusterController:
         noise = 2.0 * (max(got * (1.0 - got), 0.05 * 0.95) / n) ** 0.5
 
         def att(r: float) -> float:
-            return evaluate_layouts([current], curves, r)[0].attainment
+            return evaluate_layouts([current], curves, r, spread=spread)[0].attainment
 
         if rate <= 0 or got >= att(rate) - max(self.cfg.feedback_tolerance, noise):
             return rate, got
@@ -224,20 +246,24 @@ class ClusterController:
         rate, sample = self.load(now)
         times = self._times(now)
         level = self._level(times, now) if sample else None
+        span = self.cfg.window_s  # what the priced rate is measured over
         if level is not None:
-            rate = level
+            rate, span = level, self.cfg.window_s / 2
         elif self._first_arrival is not None and now - self._first_arrival >= self.cfg.window_s:
             # a load that rose within the window is priced at its last half: the window's mean lags a
             # rise by up to half a window, and under-providing costs more than over-providing
-            rate = max(rate, _rate_since(times, now, self.cfg.window_s / 2))
+            half = _rate_since(times, now, self.cfg.window_s / 2)
+            if half > rate:
+                rate, span = half, self.cfg.window_s / 2
         if len(sample) < 1:
             return self._record(Decision(now, cur_text, cur_text, False, "no arrivals in the window", rate,
                                          seconds=time.perf_counter() - t0))
         layouts = list(dict.fromkeys([current, *self.candidates]))
         arrival_rate = rate
         curves = self._curves(sample, layouts)  # once: the check and the prediction share them
-        rate, got = self._checked_rate(current, curves, rate, realised)
-        preds = {p.layout: p for p in self.predict(rate, sample, layouts, curves)}
+        spread = self.spread(now, sample, span)
+        rate, got = self._checked_rate(current, curves, rate, realised, spread)
+        preds = {p.layout: p for p in self.predict(rate, sample, layouts, curves, spread=spread)}
         checked = "" if rate == arrival_rate else (f" [priced at {rate:.1f} req/s, not {arrival_rate:.1f}: "
                                                    f"{cur_text} realised {got:.1%}, below its prediction]")
         now_pred = preds[current]

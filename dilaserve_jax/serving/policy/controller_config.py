@@ -50,6 +50,13 @@ class ControllerConfig:
                                         "realised (0: never; the realised share is recorded either way)")
     feedback_tolerance: float = 0.05
     feedback_max_scale: float = 2.0
+    # bursts (controller.py, `spread`): arrivals counted over the window in bins `burst_bin_slos` times
+    # the sample's median SLO long; where they vary beyond Poisson noise, each share of the arrivals
+    # is priced at the rate of the bins it came in, not all at the window's mean (`capacity.burst_spread`)
+    price_bursts: bool = opt(False, "cluster controller: price arrivals that come in bursts at the rates of their "
+                                    "bursts, not at the window's mean rate")
+    burst_bin_slos: float = 16.0
+    burst_levels: int = 8
     tokens_per_step_smoothing: float = 0.2  # weight of each round's τ -> tokens/step estimate
     bandwidth_gbps: float = opt(100.0, "device-to-device bandwidth (GB/s into each device) the controller assumes "
                                        "for resharding", name="--interconnect-gbps")
