@@ -312,8 +312,8 @@ def test_a_bursty_window_is_predicted_below_a_steady_one_at_the_same_mean_rate(t
     bursty = np.sort(np.concatenate([5 * k + 0.5 + rng.uniform(0, 0.2, 1200) for k in range(2)]))
     bursty = bursty[bursty < 10.0]
     steady = np.linspace(0.0, 10.0, len(bursty), endpoint=False)
-    on, plain = make(tp_latency, price_bursts=True), make(tp_latency)
-    steady_pred, blind = window(make(tp_latency, price_bursts=True), steady), window(plain, bursty)
+    on, plain = make(tp_latency), make(tp_latency, price_bursts=False)  # on by default
+    steady_pred, blind = window(make(tp_latency), steady), window(plain, bursty)
     bursty_pred = window(on, bursty)
     assert on.spread(10.0, [SHAPE]) is not None
     assert bursty_pred[(8,)].attainment < steady_pred[(8,)].attainment - 0.2  # the bursts cost its deadlines

@@ -390,6 +390,8 @@ def burst_spread(times: Sequence[float], start: float, end: float, bin_s: float,
     noise explains (so Poisson arrivals give the mean alone, and bursts keep their excess), then
     grouped into at most `levels` arrival-weighted quantiles. None when there is nothing beyond
     the noise (a Poisson load is priced at its mean rate as before)."""
+    if bin_s <= 0 or end - start < 4 * bin_s:
+        return None
     n_bins = int((end - start) // bin_s)
     if n_bins < 4 or len(times) < 2 * n_bins:
         return None

@@ -10,6 +10,13 @@ Every `interval_s` the cluster (or the simulator) calls `decide(now, current, sn
   steps costed apart, a round priced as the decoder runs it: one padded step per length bucket
   present in the batch, `StepShapes`), the τ -> tokens/step estimate the instances publish, and
   the router's equal-latency split give each candidate's SLO attainment, mean latency and mean τ.
+- **Bursts.** The chain prices a steady (Poisson) load; arrivals that bunch within the window are
+  counted in bins (`burst_bin_slos` median SLOs long, 1 s to a quarter of the window), each bin's
+  rate shrunk towards the mean by the share of the counts' variance Poisson noise explains, and
+  each share of the arrivals is priced at the rate of the bins it came in (`spread`,
+  `capacity.burst_spread`): on the sped-up code trace a window at 60 req/s holds seconds at
+  several times that, and the mean rate alone predicted 86-94% where the layout realised 45-77%.
+  Poisson arrivals show no excess and are priced at the mean as before.
 - **Feedback.** The prediction for the layout being served is checked against what it realises:
   the requests it finished over the last `feedback_window_s` (since it began serving), plus those
   in flight past their deadline, which the instances publish (outcomes.py). When at least
@@ -190,6 +197,8 @@ class ClusterController:
             return None
         slos = sorted(r.slo_s for r in sample)
         span = self.cfg.window_s if span is None else span
+        if self._first_arrival is not None:  # before a full window, only the time arrivals were seen for
+            span = min(span, now - self._first_arrival)
         bin_s = min(max(slos[len(slos) // 2] * self.cfg.burst_bin_slos, 1.0), span / 4)
         return burst_spread(self._times(now), now - span, now, bin_s, self.cfg.burst_levels)
 
@@ -261,7 +270,9 @@ class ClusterController:
         layouts = list(dict.fromkeys([current, *self.candidates]))
         arrival_rate = rate
         curves = self._curves(sample, layouts)  # once: the check and the prediction share them
-        spread = self.spread(now, sample, span)
+        # a rate read off the last half-window is a jump or a rise, which that rule prices already:
+        # the bursts are read only on a window whose mean is the rate
+        spread = self.spread(now, sample) if span == self.cfg.window_s else None
         rate, got = self._checked_rate(current, curves, rate, realised, spread)
         preds = {p.layout: p for p in self.predict(rate, sample, layouts, curves, spread=spread)}
         checked = "" if rate == arrival_rate else (f" [priced at {rate:.1f} req/s, not {arrival_rate:.1f}: "
