@@ -54,7 +54,7 @@ class ControllerConfig:
     # the sample's median SLO long; where they vary beyond Poisson noise, each share of the arrivals
     # is priced at the rate of the bins it came in, not all at the window's mean (`capacity.burst_spread`).
     # On the sped-up code trace the mean alone predicted 4x2 25 points above what it realised (with the
-    # spread: 4.4), and auto started on 4+1+1+1+1 (68.6%) where it now starts on and holds 4x2 (70.3%);
+    # spread: 12), and auto started on 4+1+1+1+1 (68.6%) where it now starts on and holds 4x2 (70.3%);
     # Poisson, step and diurnal loads are unchanged (docs/simulation.md, "Bursts within the window")
     price_bursts: bool = opt(True, "cluster controller: price arrivals that come in bursts at the rates of their "
                                     "bursts, not at the window's mean rate")
