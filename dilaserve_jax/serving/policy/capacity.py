@@ -332,32 +332,35 @@ def evaluate_layouts(layouts: Sequence[tuple[int, ...]], curves: Mapping[int, Cu
         best = np.where(counts > 0, lat0[None, :], np.inf).argmin(axis=1)
         return [LayoutPrediction(lay, float(zero[k].attainment[0]), float(zero[k].latency[0]), float(zero[k].tau[0]))
                 for lay, k in zip(layouts, best)]
-    levels = [(1.0, 1.0)] if not spread else spread
-    att, lat, tau = (np.zeros(len(layouts)) for _ in range(3))
-    total = sum(w for _, w in levels)
-    for mult, weight in levels:
-        a, l, u = _at_rate(layouts, counts, [curves[t] for t in tps], rate * max(mult, 1e-3))
-        att, lat, tau = att + weight / total * a, lat + weight / total * l, tau + weight / total * u
-    if overload_horizon_s:
-        lat = _overload(counts, [curves[t] for t in tps], rate, overload_horizon_s, lat, tau)
-    return [LayoutPrediction(lay, float(a), float(l), float(u)) for lay, a, l, u in zip(layouts, att, lat, tau)]
-
-
-def _at_rate(layouts: Sequence[tuple[int, ...]], counts: np.ndarray, curves: Sequence[Curves],
-             rate: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each layout's (attainment, mean latency, mean τ) at a steady `rate` > 0, before the
-    overload's backlog term."""
-    lat_all = np.concatenate([cv.latency[np.isfinite(cv.latency)] for cv in curves])
+    cvs = [curves[t] for t in tps]
+    lat_all = np.concatenate([cv.latency[np.isfinite(cv.latency)] for cv in cvs])
     levels = np.unique(np.clip(np.concatenate([lat_all, np.geomspace(lat_all.min(), lat_all.max(), 64)]),
                                lat_all.min(), lat_all.max()))
     # rate one instance of each TP takes at each latency level: the inverse of its latency curve
-    take = np.stack([_inverse(cv, levels) for cv in curves])  # [K, G]
+    take = np.stack([_inverse(cv, levels) for cv in cvs])  # [K, G]
+    shares = [(1.0, 1.0)] if not spread else spread
+    att, lat, tau = (np.zeros(len(layouts)) for _ in range(3))
+    total = sum(w for _, w in shares)
+    for mult, weight in shares:
+        a, l, u = _at_rate(counts, cvs, take, rate * max(mult, 1e-3))
+        att, lat, tau = att + weight / total * a, lat + weight / total * l, tau + weight / total * u
+    if overload_horizon_s:
+        lat = _overload(counts, cvs, rate, overload_horizon_s, lat, tau)
+    return [LayoutPrediction(lay, float(a), float(l), float(u)) for lay, a, l, u in zip(layouts, att, lat, tau)]
+
+
+def _at_rate(counts: np.ndarray, curves: Sequence[Curves], take: np.ndarray,
+             rate: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each layout's (attainment, mean latency, mean τ) at a steady `rate` > 0, before the
+    overload's backlog term (`counts` [C, K]: instances of each TP; `take` [K, G]: the rate one
+    instance takes at each latency level)."""
+    n = len(counts)
     total = counts @ take  # [C, G]
     reach = total >= rate
-    idx = np.where(reach.any(axis=1), reach.argmax(axis=1), len(levels) - 1)
+    idx = np.where(reach.any(axis=1), reach.argmax(axis=1), take.shape[1] - 1)
     lo = np.maximum(idx - 1, 0)
-    span = total[np.arange(len(layouts)), idx] - total[np.arange(len(layouts)), lo]
-    frac = np.where(span > 0, (rate - total[np.arange(len(layouts)), lo]) / np.where(span > 0, span, 1.0), 1.0)
+    span = total[np.arange(n), idx] - total[np.arange(n), lo]
+    frac = np.where(span > 0, (rate - total[np.arange(n), lo]) / np.where(span > 0, span, 1.0), 1.0)
     frac = np.clip(frac, 0.0, 1.0)
     per = take[:, lo].T + frac[:, None] * (take[:, idx].T - take[:, lo].T)  # [C, K] rate per instance
     overloaded = ~reach.any(axis=1)
@@ -367,7 +370,7 @@ def _at_rate(layouts: Sequence[tuple[int, ...]], counts: np.ndarray, curves: Seq
         per[overloaded] = rate * cap[None, :] / share.sum(axis=1, keepdims=True)
     # each layout's rate-weighted mean over its instances, TP by TP (all layouts at once; the same
     # arithmetic, in the same order, as summing per layout)
-    att, lat, tau = (np.zeros(len(layouts)) for _ in range(3))
+    att, lat, tau = (np.zeros(n) for _ in range(3))
     for k, cv in enumerate(curves):
         used = counts[:, k] != 0
         if not used.any():
@@ -380,43 +383,6 @@ def _at_rate(layouts: Sequence[tuple[int, ...]], counts: np.ndarray, curves: Seq
         lat = np.where(used, lat + w * np.interp(r, cv.rates, cv.latency), lat)
         tau = np.where(used, tau + w * np.interp(r, cv.rates, cv.tau), tau)
     return att, lat, tau
-
-
-def burst_spread(times: Sequence[float], start: float, end: float, bin_s: float,
-                 levels: int = 8) -> list[tuple[float, float]] | None:
-    """How unevenly arrivals at `times` (within [start, end)) come, as (multiple of the mean rate,
-    share of the arrivals) pairs for `evaluate_layouts`: the arrivals counted in bins of `bin_s`,
-    each bin's rate shrunk towards the mean by the share of the counts' variance that Poisson
-    noise explains (so Poisson arrivals give the mean alone, and bursts keep their excess), then
-    grouped into at most `levels` arrival-weighted quantiles. None when there is nothing beyond
-    the noise (a Poisson load is priced at its mean rate as before)."""
-    if bin_s <= 0 or end - start < 4 * bin_s:
-        return None
-    n_bins = int((end - start) // bin_s)
-    if n_bins < 4 or len(times) < 2 * n_bins:
-        return None
-    t = np.asarray(times, dtype=np.float64)
-    t = t[(t >= end - n_bins * bin_s) & (t < end)]
-    counts = np.bincount(((t - (end - n_bins * bin_s)) // bin_s).astype(np.int64), minlength=n_bins)[:n_bins]
-    mean, var = counts.mean(), counts.var(ddof=1)
-    if mean <= 0 or var <= 2.0 * mean:  # within about Poisson noise (dispersion index up to 2)
-        return None
-    rates = mean + (counts - mean) * np.sqrt((var - mean) / var)
-    rates = np.maximum(rates, 0.0)
-    order = np.argsort(rates)
-    rates, weight = rates[order], counts[order].astype(np.float64)
-    if weight.sum() <= 0:
-        return None
-    # arrival-weighted quantile groups: each level holds about an equal share of the arrivals
-    cum = np.cumsum(weight) / weight.sum()
-    group = np.minimum((cum * levels - 1e-9).astype(np.int64), levels - 1)
-    out = []
-    for g in np.unique(group):
-        m = group == g
-        w = weight[m].sum()
-        if w > 0:
-            out.append((float((rates[m] * weight[m]).sum() / w / mean), float(w / weight.sum())))
-    return out
 
 
 def _overload(counts: np.ndarray, curves: Sequence[Curves], rate: float, horizon_s: float,

@@ -14,7 +14,7 @@ Every `interval_s` the cluster (or the simulator) calls `decide(now, current, sn
   counted in bins (`burst_bin_slos` median SLOs long, 1 s to a quarter of the window), each bin's
   rate shrunk towards the mean by the share of the counts' variance Poisson noise explains, and
   each share of the arrivals is priced at the rate of the bins it came in (`spread`,
-  `capacity.burst_spread`): on the sped-up code trace a window at 60 req/s holds seconds at
+  `bursts.burst_spread`): on the sped-up code trace a window at 60 req/s holds seconds at
   several times that, and the mean rate alone predicted 86-94% where the layout realised 45-77%.
   Poisson arrivals show no excess and are priced at the mean as before.
 - **Feedback.** The prediction for the layout being served is checked against what it realises:
@@ -59,8 +59,9 @@ from collections import deque
 from typing import Mapping, Sequence
 
 from dilaserve_jax.core.layouts import binary_partitions, layout_text, moved_fraction, parse_layout, placements
-from dilaserve_jax.serving.policy.capacity import (LayoutPrediction, RequestShape, StepShapes, burst_spread,
-                                                   evaluate_layouts, instance_curves)
+from dilaserve_jax.serving.policy.bursts import burst_spread
+from dilaserve_jax.serving.policy.capacity import (LayoutPrediction, RequestShape, StepShapes, evaluate_layouts,
+                                                   instance_curves)
 from dilaserve_jax.serving.policy.controller_config import (  # noqa: F401 - re-exported: the controller's API
     AtRisk, ControllerConfig, Decision, Migration)
 from dilaserve_jax.serving.policy.latency import LatencyModel
@@ -181,13 +182,10 @@ class ClusterController:
         return evaluate_layouts(layouts, self._curves(sample, layouts) if curves is None else curves, rate,
                                 spread=spread)
 
-    def spread(self, now: float, sample: Sequence[RequestShape],
-               span: float | None = None) -> list[tuple[float, float]] | None:
-        """With `price_bursts`: how the window's arrivals bunch, as `capacity.burst_spread` gives it
+    def spread(self, now: float, sample: Sequence[RequestShape]) -> list[tuple[float, float]] | None:
+        """With `price_bursts`: how the window's arrivals bunch, as `bursts.burst_spread` gives it
         over bins `burst_bin_slos` times the sample's median SLO long (at least 1 s, at most a
-        quarter of the window), over the last `span` seconds (default: the window; the span the
-        priced rate is measured over, so that a step within the window is not read as bursts of
-        it); None when off, or when the arrivals are Poisson-like.
+        quarter of the window); None when off, or when the arrivals are Poisson-like.
 
         The bins are long against the SLO because each is priced as a steady load: a burst of
         length L at rate λ above the capacity C serves about C·(L + SLO) of its λ·L requests in
@@ -196,7 +194,7 @@ class ClusterController:
         if not self.cfg.price_bursts or not sample:
             return None
         slos = sorted(r.slo_s for r in sample)
-        span = self.cfg.window_s if span is None else span
+        span = self.cfg.window_s
         if self._first_arrival is not None:  # before a full window, only the time arrivals were seen for
             span = min(span, now - self._first_arrival)
         bin_s = min(max(slos[len(slos) // 2] * self.cfg.burst_bin_slos, 1.0), span / 4)
@@ -255,15 +253,15 @@ class ClusterController:
         rate, sample = self.load(now)
         times = self._times(now)
         level = self._level(times, now) if sample else None
-        span = self.cfg.window_s  # what the priced rate is measured over
+        whole_window = True  # the priced rate is the window's mean
         if level is not None:
-            rate, span = level, self.cfg.window_s / 2
+            rate, whole_window = level, False
         elif self._first_arrival is not None and now - self._first_arrival >= self.cfg.window_s:
             # a load that rose within the window is priced at its last half: the window's mean lags a
             # rise by up to half a window, and under-providing costs more than over-providing
             half = _rate_since(times, now, self.cfg.window_s / 2)
             if half > rate:
-                rate, span = half, self.cfg.window_s / 2
+                rate, whole_window = half, False
         if len(sample) < 1:
             return self._record(Decision(now, cur_text, cur_text, False, "no arrivals in the window", rate,
                                          seconds=time.perf_counter() - t0))
@@ -272,7 +270,7 @@ class ClusterController:
         curves = self._curves(sample, layouts)  # once: the check and the prediction share them
         # a rate read off the last half-window is a jump or a rise, which that rule prices already:
         # the bursts are read only on a window whose mean is the rate
-        spread = self.spread(now, sample) if span == self.cfg.window_s else None
+        spread = self.spread(now, sample) if whole_window else None
         rate, got = self._checked_rate(current, curves, rate, realised, spread)
         preds = {p.layout: p for p in self.predict(rate, sample, layouts, curves, spread=spread)}
         checked = "" if rate == arrival_rate else (f" [priced at {rate:.1f} req/s, not {arrival_rate:.1f}: "

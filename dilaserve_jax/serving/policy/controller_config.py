@@ -52,7 +52,7 @@ class ControllerConfig:
     feedback_max_scale: float = 2.0
     # bursts (controller.py, `spread`): arrivals counted over the window in bins `burst_bin_slos` times
     # the sample's median SLO long; where they vary beyond Poisson noise, each share of the arrivals
-    # is priced at the rate of the bins it came in, not all at the window's mean (`capacity.burst_spread`).
+    # is priced at the rate of the bins it came in, not all at the window's mean (`bursts.burst_spread`).
     # On the sped-up code trace the mean alone predicted 4x2 25 points above what it realised (with the
     # spread: 12), and auto started on 4+1+1+1+1 (68.6%) where it now starts on and holds 4x2 (70.3%);
     # Poisson, step and diurnal loads are unchanged (docs/simulation.md, "Bursts within the window")
