@@ -47,7 +47,7 @@ Every `interval_s` the cluster (or the simulator) calls `decide(now, current, sn
   last half agrees with it, the decision prices that half's rate at once, and switches only for a
   gain beyond the cost by `level_shift_gain` (0.1), so that small swings still wait for the window.
   Every decision carries its reason and predictions, kept in `history`.
-- **Migration.** `plan_migrations`: a request at risk on one instance (it cannot meet its deadline
+- **Migration.** `plan_migrations` (`migration.py`): a request at risk on one instance (it cannot meet its deadline
   there even at its τ floor) moves at the next step boundary to an instance with a free slot and
   an empty queue whose estimate says it will meet it there.
 """
@@ -65,6 +65,7 @@ from dilaserve_jax.serving.policy.capacity import (LayoutPrediction, RequestShap
 from dilaserve_jax.serving.policy.controller_config import (  # noqa: F401 - re-exported: the controller's API
     AtRisk, ControllerConfig, Decision, Migration)
 from dilaserve_jax.serving.policy.latency import LatencyModel
+from dilaserve_jax.serving.policy.migration import MigrationPlanner
 from dilaserve_jax.serving.policy.threshold_config import DEFAULT_PRIOR
 from dilaserve_jax.core.kinds import StepKind
 
@@ -100,7 +101,7 @@ class ClusterController:
         self.history: deque[Decision] = deque(maxlen=64)
         self.last_switch: float | None = None
         self._streak: tuple[str, int] = ("", 0)
-        self._moved: dict[str, float] = {}
+        self.migrations = MigrationPlanner(cfg)
 
     # --- inputs ---
     def observe(self, shape: RequestShape, now: float) -> None:
@@ -349,29 +350,8 @@ class ClusterController:
 
     # --- migration ---
     def plan_migrations(self, now: float, at_risk: Mapping[str, Sequence[tuple[AtRisk, str]]]) -> list[Migration]:
-        """Moves for at-risk requests: `at_risk` maps each source instance to its at-risk requests,
-        each with the instance with spare capacity (a free slot, an empty queue) where it would
-        finish soonest and `remaining_s` its predicted time there. A request moves if it would meet
-        its deadline there; one request per target per round, each request at most once per
-        cooldown, at most `max_migrations` per round."""
-        self._moved = {k: t for k, t in self._moved.items() if now - t < self.cfg.migration_cooldown_s}
-        out: list[Migration] = []
-        used: set[str] = set()
-        for src, items in at_risk.items():
-            for r, target in sorted(items, key=lambda x: x[0].deadline):
-                if len(out) >= self.cfg.max_migrations:
-                    return out
-                if target == src or target in used:
-                    continue
-                last = self._moved.get(r.request_id, r.last_move)
-                if last is not None and now - last < self.cfg.migration_cooldown_s:
-                    continue
-                if now + r.remaining_s > r.deadline:
-                    continue
-                out.append(Migration(r.request_id, src, target, "at risk"))
-                self._moved[r.request_id] = now
-                used.add(target)
-        return out
+        """Moves for at-risk requests (`migration.MigrationPlanner.plan`)."""
+        return self.migrations.plan(now, at_risk)
 
     # --- internals ---
     def _record(self, d: Decision) -> Decision:

@@ -20,7 +20,7 @@ deep the queue. Whether a queued request is past saving is checked again only fr
 (`LOST_CHECK_MARGIN`: from three times its time earlier) before the slack its last check found
 runs out (approximation: a request whose predicted time grows by more than that meanwhile is
 found lost later; until then it is one more candidate the plan itself marks at risk).
-Prices are memoised until an estimate changes (a step's observation, the latency correction), so
+Prices (`step_pricing.py`) are memoised until an estimate changes (a step's observation, the latency correction), so
 the plan, admission, batching and the published load price each (request, τ, batch) once, and the
 plan prices a τ only when a pass reaches it. A request infeasible even at τ_min is marked at
 risk: it does not hold a place in the slot model and the scheduler runs it only on spare capacity.
@@ -47,23 +47,18 @@ from dilaserve_jax.serving.policy.plan_pass import (BY_DEADLINE, Candidate, Deci
                                                     first_at_or_below, misses, schedule_pass)
 from dilaserve_jax.serving.policy.pressure import PressureWindow
 from dilaserve_jax.serving.policy.quality import QualityBudget, QualitySnapshot
-from dilaserve_jax.serving.policy.threshold_config import ThresholdConfig, TokensPerStep
-from dilaserve_jax.serving.policy.request import Request, steps_left
-from dilaserve_jax.serving.policy.step_time import ScaledStepTime, StepTime
-from dilaserve_jax.core.kinds import StepKind
+from dilaserve_jax.serving.policy.threshold_config import ThresholdConfig  # noqa: F401 (re-exported)
+from dilaserve_jax.serving.policy.request import Request
+from dilaserve_jax.serving.policy.step_pricing import StepPricing
+from dilaserve_jax.serving.policy.step_time import StepTime
 
-_REFRESH, _REUSE = StepKind.REFRESH, StepKind.REUSE
 # a queued request's lost check is due again this share of its time before its slack runs out
 LOST_CHECK_MARGIN = 3.0
 
 
 @dataclass(slots=True)
-class ThresholdController:
-    cfg: ThresholdConfig = field(default_factory=ThresholdConfig)
-    tps: TokensPerStep = None  # type: ignore[assignment]
-    ratios: dict[str, float] = field(default_factory=dict)  # per-request speed vs the average
+class ThresholdController(StepPricing):
     cap: float = 1.0  # current load-control cap (for reporting)
-    mean_refresh_fraction: float = 0.0  # share of remaining steps that are refreshes, active requests
     preempting: bool = False  # the scheduler preempts running requests at risk for queued ones in time
     runs_ahead: bool = False  # the scheduler admits a request that fits by running ahead of the others
     budget: QualityBudget | None = None  # from cfg.quality
@@ -72,21 +67,13 @@ class ThresholdController:
     _lost: set[str] = field(default_factory=set)  # queued requests past saving (deep queues only)
     _lowest: dict[str, float] = field(default_factory=dict)  # lowest τ each may run at (budget's grant)
     _lost_due: dict[str, float] = field(default_factory=dict)  # queued: when to check again if it is lost
-    # prices until an estimate changes (`invalidate`): keys carry the request's block state and ratio
-    _steps_memo: dict[str, tuple[tuple, dict[float, tuple[float, float, tuple[int, int]]]]] = \
-        field(default_factory=dict)  # id -> (its block state, τ -> (valid for rates in lo..hi, steps))
-    _time_memo: dict[tuple, float] = field(default_factory=dict)
-    _cost_memo: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)  # step times per shape
-    _priced_with: StepTime | None = None  # the step-time function _time_memo holds prices of
-    _scaled: bool = False  # it is a ScaledStepTime: _cost_memo holds its base times, unscaled
     _unplanned_memo: dict[str, Decision] = field(default_factory=dict)  # queued, unplanned: its decision
     pressure: bool = False  # deadlines are being lost to load: the budget's spare allowance buys speed
     _pressure: PressureWindow | None = None  # from cfg (pressure.py)
     _cands_memo: dict[tuple[float, float], tuple[float, ...]] = field(default_factory=dict)  # (τ_min, τ_max) ->
 
     def __post_init__(self) -> None:
-        if self.tps is None:
-            self.tps = TokensPerStep(self.cfg)
+        StepPricing.__post_init__(self)  # (a slotted dataclass: no zero-argument super())
         if self.budget is None and self.cfg.quality is not None:
             self.budget = QualityBudget(self.cfg.quality)
         if self._pressure is None:
@@ -108,20 +95,6 @@ class ThresholdController:
         self.ratios[req.id] = min(4.0, max(0.25, r))
         self.tps.observe(tau, n_committed)
         self._time_memo.clear()  # the step times (`_cost_memo`) do not depend on the rates
-
-    def rescaled(self) -> None:
-        """The step-time function's correction (`ScaledStepTime.scales`) changed: drop the times
-        priced with it (the base times stay when they are kept apart from it)."""
-        self._time_memo.clear()
-        if not self._scaled:
-            self._cost_memo.clear()
-
-    def invalidate(self) -> None:
-        """The caller's step-time estimate changed: drop memoised times (steps left are memoised
-        with the rates they hold for, so they stay; a change of the rates alone clears only the
-        remaining times, which `_time_memo` holds)."""
-        self._time_memo.clear()
-        self._cost_memo.clear()
 
     def forget(self, req_id: str, served_loss: float | None = None) -> None:
         """The request left; `served_loss`: it finished ok with this predicted loss (counts in the mean)."""
@@ -154,100 +127,6 @@ class ThresholdController:
         floor = self._floors.get(req.id)
         cands = self.candidates(req)
         return cands if floor is None else tuple(t for t in cands if t >= floor - 1e-12) or cands[:1]
-
-    def steps_needed(self, req: Request, tau: float) -> tuple[int, int]:
-        """(refresh steps, reuse steps) to finish at τ, at this request's own tokens per step.
-
-        Memoised with the range of tokens per step the answer holds for (the counts are ceilings
-        of the masked tokens over it), so the estimates' small moves between steps price nothing."""
-        x = self.tps.rate(tau) * self.ratios.get(req.id, 1.0)
-        if not x > 1.0:  # max(1.0, x) (the builtin costs several times more; this runs hundreds of times a round)
-            x = 1.0
-        state = (req.block_index, req.block_committed, req.needs_refresh)
-        memo = self._steps_memo.get(req.id)
-        if memo is None or memo[0] != state:
-            memo = self._steps_memo[req.id] = (state, {})
-        hit = memo[1].get(tau)
-        if hit is not None and hit[0] < x < hit[1]:
-            return hit[2]
-        out = self._count_steps(req, x)
-        if req.blocks_left == 0:
-            lo, hi = -math.inf, math.inf
-        else:
-            lo1, hi1 = _ceiling_range(req.masked_in_block, x)
-            lo2, hi2 = _ceiling_range(req.block_length, x)
-            lo, hi = (lo1 if lo1 > lo2 else lo2), (hi1 if hi1 < hi2 else hi2)
-        memo[1][tau] = (lo, hi, out)
-        return out
-
-    @staticmethod
-    def _count_steps(req: Request, tokens_per_step: float) -> tuple[int, int]:
-        return steps_left(req, tokens_per_step)
-
-    def refresh_fraction(self, req: Request, tau: float) -> float:
-        n_ref, n_reu = self.steps_needed(req, tau)
-        return n_ref / (n_ref + n_reu) if n_ref + n_reu else 0.0
-
-    def remaining_time(self, req: Request, tau: float, batch: int, step_time: StepTime,
-                       others_refreshing: float | None = None) -> float:
-        """Predicted wall time to finish at τ while sharing the instance with batch - 1 others.
-
-        Refresh and reuse run as separate batches, so each of its steps also waits for the other
-        kind's batch of the others: a reuse step waits for a refresh batch whenever one of the others
-        needs one (expected `others_refreshing` of them per round), a refresh step for their reuse batch.
-        """
-        if others_refreshing is None:
-            others_refreshing = (batch - 1) * self.mean_refresh_fraction
-        self._pricing_with(step_time)
-        key = (req.id, tau, batch, others_refreshing, self.ratios.get(req.id, 1.0), req.block_index,
-               req.block_committed, req.needs_refresh)
-        out = self._time_memo.get(key)
-        if out is None:
-            out = self._time_memo[key] = self._time_to_finish(req, tau, batch, step_time, others_refreshing)
-        return out
-
-    def _time_to_finish(self, req: Request, tau: float, batch: int, step_time: StepTime,
-                        others_refreshing: float) -> float:
-        n_ref, n_reu = self.steps_needed(req, tau)
-        per_refresh, per_reuse = self._step_costs(req, batch, step_time, others_refreshing)
-        return (n_ref * per_refresh + n_reu * per_reuse) * self.cfg.safety
-
-    def _pricing_with(self, step_time: StepTime) -> None:
-        if step_time is not self._priced_with and step_time != self._priced_with:  # another clock of steps
-            self.invalidate()
-            self._priced_with = step_time
-            self._scaled = isinstance(step_time, ScaledStepTime)
-
-    def _step_costs(self, req: Request, batch: int, step_time: StepTime,
-                    others_refreshing: float) -> tuple[float, float]:
-        """Seconds per own refresh and per own reuse step, the wait for the others' batches included.
-        The step times are memoised per shape and batches (the request counts through its shape
-        alone) until the step-time estimate changes; the waits are worked out per call."""
-        self._pricing_with(step_time)
-        k = math.ceil(others_refreshing)
-        k = 1 if k < 1 else batch if k > batch else k  # the others' refresh batch
-        key = (req.canvas_length, req.block_length, batch, k)
-        times = self._cost_memo.get(key)
-        if self._scaled:  # base times memoised, the correction applied as ScaledStepTime applies it
-            if times is None:
-                times = self._cost_memo[key] = self._price_step_costs(req, batch, k, step_time.base)
-            scales = step_time.scales
-            s_ref = scales[_REFRESH]
-            t_ref, t_reu, t_ref_others = times[0] * s_ref, times[1] * scales[_REUSE], times[2] * s_ref
-        else:
-            if times is None:
-                times = self._cost_memo[key] = self._price_step_costs(req, batch, k, step_time)
-            t_ref, t_reu, t_ref_others = times
-        wait_reuse = (1 - self.cfg.refresh_alignment) * (others_refreshing if others_refreshing < 1.0 else 1.0) \
-            * t_ref_others
-        wait_refresh = t_reu if batch > 1 else 0.0  # per own refresh step
-        return t_ref + wait_refresh, t_reu + wait_reuse
-
-    def _price_step_costs(self, req: Request, batch: int, others_batch: int,
-                          step_time: StepTime) -> tuple[float, float, float]:
-        """(own refresh, own reuse, the others' refresh batch) step times."""
-        return (step_time(StepKind.REFRESH, batch, req), step_time(StepKind.REUSE, batch, req),
-                step_time(StepKind.REFRESH, others_batch, req))
 
     def lowest_tau(self, req: Request) -> float:
         """The lowest τ it may run at: what the budget's last grant allows it (its free τ, or the
@@ -450,13 +329,3 @@ class ThresholdController:
 
         i = boundary(passes, caps.index(self.cap) if self.cap in caps else 0, len(caps))
         return (caps[-1], floor) if i is None else (caps[i], tested[i])
-
-_MARGIN = 1e-9  # relative: a rate this close to a step of the ceiling is priced again, not trusted
-
-
-def _ceiling_range(masked: int, x: float) -> tuple[float, float]:
-    """The open range of rates (>= 1) around x over which max(1, ceil(masked / rate)) keeps its value."""
-    k = math.ceil(masked / x)
-    # rates are clamped to >= 1, so the lowest step (k = masked, at rate 1) reaches down to any rate
-    lo = -math.inf if k >= masked else masked / k * (1 + _MARGIN)
-    return lo, (math.inf if k <= 1 else masked / (k - 1) * (1 - _MARGIN))
