@@ -50,6 +50,8 @@ class CalibrateConfig:
                                      "best")
     price_answer_ends: bool = opt(False, "the controller prices each request's last block at the share answers decode "
                                          "(as python -m dilaserve_jax.sim --price-answer-ends)")
+    latency_at_answer_ends: bool = opt(False, "the controller prices the mean latency where answers end (as python -m "
+                                              "dilaserve_jax.sim --latency-at-answer-ends)")
     json: bool = opt(False, "print the rows as JSON")
     plot: str | None = opt(None, "draw predicted against simulated attainment per layout", metavar="PNG")
     progress: bool = opt(True, "progress bar on stderr")
@@ -91,6 +93,8 @@ def _sim_argv(cfg: CalibrateConfig, rate: float, seed: int, layout: str) -> list
         argv += ["--profile", cfg.profile]
     if cfg.price_answer_ends:
         argv.append("--price-answer-ends")
+    if cfg.latency_at_answer_ends:
+        argv.append("--latency-at-answer-ends")
     return argv
 
 

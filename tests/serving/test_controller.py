@@ -119,8 +119,10 @@ def test_at_risk_requests_go_to_an_idle_instance(tp_latency):
 
 
 def test_decision_time_for_64_devices(tp_latency):
-    ctl = ClusterController(ControllerConfig(), num_devices=64, tp_degrees=(1, 2, 4, 8), latency=tp_latency,
-                            slots=8, param_bytes=10**9)
+    # the costliest pricing: answers ending early and their latency priced apart (two chains per TP degree)
+    ctl = ClusterController(ControllerConfig(latency_at_answer_ends=True), num_devices=64, tp_degrees=(1, 2, 4, 8),
+                            latency=tp_latency, slots=8, param_bytes=10**9)
+    ctl.set_last_block_fill(0.5)
     for i in range(64):
         ctl.observe(SHAPE, i * 0.1)
     t0 = time.perf_counter()
@@ -228,6 +230,7 @@ def test_near_equal_candidates_trading_first_place_still_confirm_a_switch(tp_lat
 
 
 def test_answers_that_end_early_in_their_last_block_are_predicted_faster(tp_latency):
+    # with price_answer_ends everything is priced at the share, with latency_at_answer_ends the latency
     ctl = make(tp_latency, price_answer_ends=True)
     layouts = [(2, 2, 2, 2), (8,)]
     full = ctl.predict(20.0, [SHAPE] * 4, layouts)
@@ -237,6 +240,12 @@ def test_answers_that_end_early_in_their_last_block_are_predicted_faster(tp_late
     off = make(tp_latency)  # the default prices the whole area whatever the instances report
     off.set_last_block_fill(0.25)
     assert off.predict(20.0, [SHAPE] * 4, layouts) == full
+    latency = make(tp_latency, latency_at_answer_ends=True)  # deadlines and τ at the whole area
+    latency.set_last_block_fill(0.25)
+    mixed = latency.predict(20.0, [SHAPE] * 4, layouts)
+    assert [(m.attainment, m.tau) for m in mixed] == [(f.attainment, f.tau) for f in full]
+    assert all(m.latency_s < f.latency_s for m, f in zip(mixed, full))
+    assert [m.latency_s for m in mixed] == pytest.approx([s.latency_s for s in short], rel=0.05)
     with pytest.raises(ValueError, match="fill"):
         ctl.set_last_block_fill(0.0)
 

@@ -53,18 +53,22 @@ Every `interval_s` the cluster (or the simulator) calls `decide(now, current, sn
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
 from typing import Mapping, Sequence
 
+import numpy as np
+
 from dilaserve_jax.core.layouts import binary_partitions, layout_text, moved_fraction, parse_layout, placements
 from dilaserve_jax.serving.policy.bursts import burst_spread
-from dilaserve_jax.serving.policy.capacity import (LayoutPrediction, RequestShape, StepShapes, evaluate_layouts,
-                                                   instance_curves)
+from dilaserve_jax.serving.policy.capacity import (Curves, LayoutPrediction, RequestShape, StepShapes,
+                                                   evaluate_layouts, instance_curves)
 from dilaserve_jax.serving.policy.controller_config import (  # noqa: F401 - re-exported: the controller's API
     AtRisk, ControllerConfig, Decision, Migration)
 from dilaserve_jax.serving.policy.latency import LatencyModel
+from dilaserve_jax.serving.policy.load_window import load_moved, rate_since
 from dilaserve_jax.serving.policy.migration import MigrationPlanner
 from dilaserve_jax.serving.policy.threshold_config import DEFAULT_PRIOR
 from dilaserve_jax.core.kinds import StepKind
@@ -93,7 +97,8 @@ class ClusterController:
         prior = dict(prior or DEFAULT_PRIOR)
         self.taus = tuple(sorted(prior, reverse=True))
         self.tokens_per_step = tuple(prior[t] for t in self.taus)
-        # the instances' estimate (answer_fill.py), priced only with `cfg.price_answer_ends`
+        # the instances' estimate (answer_fill.py), priced only with `cfg.price_answer_ends` (everything)
+        # or `cfg.latency_at_answer_ends` (the mean latency)
         self.last_block_fill = 1.0
         self._arrivals: deque[tuple[float, RequestShape]] = deque()
         self._first_arrival: float | None = None  # the load estimate is trusted after one full window
@@ -152,7 +157,7 @@ class ClusterController:
             return None
         w = self.cfg.window_s
         times = self._times(now)
-        moved = _moved(times, now, w, tol)
+        moved = load_moved(times, now, w, tol)
         if moved is None or self._level(times, now) is not None:
             return None
         recent, whole = moved
@@ -167,11 +172,11 @@ class ClusterController:
         """The last half-window's rate when the window's rate lags it but the last half itself has
         settled (a jump to a new level, not a ramp still moving); None otherwise."""
         w, tol = self.cfg.window_s, self.cfg.settle_tolerance
-        if self.cfg.level_shift_gain is None or tol is None or _moved(times, now, w, tol) is None:
+        if self.cfg.level_shift_gain is None or tol is None or load_moved(times, now, w, tol) is None:
             return None
-        if _moved(times, now, w / 2, tol) is not None:
+        if load_moved(times, now, w / 2, tol) is not None:
             return None
-        return _rate_since(times, now, w / 2)
+        return rate_since(times, now, w / 2)
 
     # --- the layout decision ---
     def predict(self, rate: float, sample: Sequence[RequestShape],
@@ -202,11 +207,20 @@ class ClusterController:
         return burst_spread(self._times(now), now - span, now, bin_s, self.cfg.burst_levels)
 
     def _curves(self, sample: Sequence[RequestShape], layouts: Sequence[tuple[int, ...]]) -> dict:
-        return {t: instance_curves(self._model(t), t, sample, self.slots, self.taus, self.tokens_per_step,
+        def curves(tp: int, fill: float):
+            return instance_curves(self._model(tp), tp, sample, self.slots, self.taus, self.tokens_per_step,
                                    tau_floor=self.tau_floor, target_utilisation=self.cfg.target_utilisation,
-                                   shapes=self.shapes, pressure_share=self.pressure_share,
-                                   last_block_fill=self.last_block_fill if self.cfg.price_answer_ends else 1.0)
-                for t in sorted({t for lay in layouts for t in lay})}
+                                   shapes=self.shapes, pressure_share=self.pressure_share, last_block_fill=fill)
+        fill = self.last_block_fill
+        out = {}
+        for tp in sorted({t for lay in layouts for t in lay}):
+            if self.cfg.price_answer_ends or fill >= 1.0:
+                out[tp] = curves(tp, fill if self.cfg.price_answer_ends else 1.0)
+            elif self.cfg.latency_at_answer_ends:  # deadlines and τ at the whole block, latency where answers end
+                out[tp] = with_latency_of(curves(tp, 1.0), curves(tp, fill))
+            else:
+                out[tp] = curves(tp, 1.0)
+        return out
 
     def feedback_since(self, now: float) -> float:
         """Outcomes from this time on count as the current layout's (see `decide`'s `realised`)."""
@@ -260,7 +274,7 @@ class ClusterController:
         elif self._first_arrival is not None and now - self._first_arrival >= self.cfg.window_s:
             # a load that rose within the window is priced at its last half: the window's mean lags a
             # rise by up to half a window, and under-providing costs more than over-providing
-            half = _rate_since(times, now, self.cfg.window_s / 2)
+            half = rate_since(times, now, self.cfg.window_s / 2)
             if half > rate:
                 rate, whole_window = half, False
         if len(sample) < 1:
@@ -376,6 +390,12 @@ class ClusterController:
         return binary_partitions(self.num_devices, self.tp_degrees)
 
 
+def with_latency_of(curves: Curves, other: Curves) -> Curves:
+    """`curves` with the mean latency `other` predicts at the same rates (`other` tabulates its own
+    rate grid; past its last point its last value holds)."""
+    return dataclasses.replace(curves, latency=np.interp(curves.rates, other.rates, other.latency))
+
+
 def build_seconds(old: Sequence[int], new: Sequence[int], compiled: frozenset[tuple[int, int]],
                   cfg: ControllerConfig) -> float:
     """Seconds to build the instances of layout `new` that `old` lacks, one after another: each
@@ -383,17 +403,3 @@ def build_seconds(old: Sequence[int], new: Sequence[int], compiled: frozenset[tu
     kept = placements(old)
     added = [p for p in placements(new) if p not in kept]
     return cfg.load_s * len(added) + cfg.compile_s * sum(p not in compiled for p in added)
-
-
-def _rate_since(times: Sequence[float], now: float, span: float) -> float:
-    """Arrivals per second over the last `span` seconds."""
-    return sum(1 for t in times if t >= now - span) / span
-
-
-def _moved(times: Sequence[float], now: float, span: float, tol: float) -> tuple[float, float] | None:
-    """(rate over the last half of `span`, rate over `span`) when they differ by more than `tol` of
-    the larger and by more than 3 Poisson standard deviations of the half's rate; else None."""
-    whole, recent = _rate_since(times, now, span), _rate_since(times, now, span / 2)
-    diff = abs(recent - whole)
-    noise = 3.0 * (max(whole, 1e-9) / (span / 2)) ** 0.5
-    return (recent, whole) if diff > tol * max(recent, whole) and diff > noise else None
