@@ -212,14 +212,12 @@ class ClusterController:
                                    tau_floor=self.tau_floor, target_utilisation=self.cfg.target_utilisation,
                                    shapes=self.shapes, pressure_share=self.pressure_share, last_block_fill=fill)
         fill = self.last_block_fill
+        priced = fill if self.cfg.price_answer_ends else 1.0  # deadlines and τ
         out = {}
         for tp in sorted({t for lay in layouts for t in lay}):
-            if self.cfg.price_answer_ends or fill >= 1.0:
-                out[tp] = curves(tp, fill if self.cfg.price_answer_ends else 1.0)
-            elif self.cfg.latency_at_answer_ends:  # deadlines and τ at the whole block, latency where answers end
-                out[tp] = with_latency_of(curves(tp, 1.0), curves(tp, fill))
-            else:
-                out[tp] = curves(tp, 1.0)
+            out[tp] = curves(tp, priced)
+            if self.cfg.latency_at_answer_ends and fill < priced:  # the latency where answers end
+                out[tp] = with_latency_of(out[tp], curves(tp, fill))
         return out
 
     def feedback_since(self, now: float) -> float:
