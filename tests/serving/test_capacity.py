@@ -4,7 +4,8 @@ from dataclasses import replace
 import numpy as np
 
 from dilaserve_jax.core.kinds import StepKind
-from dilaserve_jax.serving.policy.capacity import Curves, RequestShape, StepShapes, evaluate_layouts, service_times
+from dilaserve_jax.serving.policy.capacity import Curves, RequestShape, StepShapes, service_times
+from dilaserve_jax.serving.policy.layout_eval import evaluate_layouts
 
 
 class _ComputeBound:

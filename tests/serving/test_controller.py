@@ -8,7 +8,8 @@ import pytest
 from dilaserve_jax.core.layouts import (binary_partitions, every_placement, layout_text, moved_fraction, parse_layout,
                                         placements)
 from dilaserve_jax.serving.policy.bursts import burst_spread
-from dilaserve_jax.serving.policy.capacity import LayoutPrediction, RequestShape
+from dilaserve_jax.serving.policy.capacity import RequestShape
+from dilaserve_jax.serving.policy.layout_eval import LayoutPrediction
 from dilaserve_jax.serving.policy.controller import AtRisk, ClusterController, ControllerConfig
 from dilaserve_jax.serving.cluster.fake_runner import fake_tp_profile
 from dilaserve_jax.serving.policy.latency import LatencyModel

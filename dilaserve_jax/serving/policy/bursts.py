@@ -1,5 +1,5 @@
 """How unevenly arrivals come within the controller's window: the shares of the arrivals and the
-rates of the bursts they came in, for `capacity.evaluate_layouts(spread=)` (see the controller's
+rates of the bursts they came in, for `layout_eval.evaluate_layouts(spread=)` (see the controller's
 module doc, "Bursts")."""
 from __future__ import annotations
 

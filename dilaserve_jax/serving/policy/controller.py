@@ -6,7 +6,7 @@ Every `interval_s` the cluster (or the simulator) calls `decide(now, current, sn
   sample of recent request shapes (prompt and answer lengths, block, SLO, τ range).
 - **Candidates.** Every partition of the devices into power-of-two TP groups the model allows
   (`tp_degrees`), or only the layouts given (`--layouts`).
-- **Prediction.** `capacity.evaluate_layouts`: per TP degree, the latency model (refresh and reuse
+- **Prediction.** `layout_eval.evaluate_layouts`: per TP degree, the latency model (refresh and reuse
   steps costed apart, a round priced as the decoder runs it: one padded step per length bucket
   present in the batch, `StepShapes`), the τ -> tokens/step estimate the instances publish, and
   the router's equal-latency split give each candidate's SLO attainment, mean latency and mean τ.
@@ -53,21 +53,18 @@ Every `interval_s` the cluster (or the simulator) calls `decide(now, current, sn
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections import deque
 from typing import Mapping, Sequence
 
-import numpy as np
-
 from dilaserve_jax.core.layouts import binary_partitions, layout_text, moved_fraction, parse_layout, placements
 from dilaserve_jax.serving.policy.bursts import burst_spread
-from dilaserve_jax.serving.policy.capacity import (Curves, LayoutPrediction, RequestShape, StepShapes,
-                                                   evaluate_layouts, instance_curves)
+from dilaserve_jax.serving.policy.capacity import RequestShape, StepShapes, instance_curves, with_latency_of
 from dilaserve_jax.serving.policy.controller_config import (  # noqa: F401 - re-exported: the controller's API
     AtRisk, ControllerConfig, Decision, Migration)
 from dilaserve_jax.serving.policy.latency import LatencyModel
+from dilaserve_jax.serving.policy.layout_eval import LayoutPrediction, evaluate_layouts
 from dilaserve_jax.serving.policy.load_window import load_moved, rate_since
 from dilaserve_jax.serving.policy.migration import MigrationPlanner
 from dilaserve_jax.serving.policy.threshold_config import DEFAULT_PRIOR
@@ -386,12 +383,6 @@ class ClusterController:
                                  f"{self.tp_degrees}")
             return list(dict.fromkeys(out))
         return binary_partitions(self.num_devices, self.tp_degrees)
-
-
-def with_latency_of(curves: Curves, other: Curves) -> Curves:
-    """`curves` with the mean latency `other` predicts at the same rates (`other` tabulates its own
-    rate grid; past its last point its last value holds)."""
-    return dataclasses.replace(curves, latency=np.interp(curves.rates, other.rates, other.latency))
 
 
 def build_seconds(old: Sequence[int], new: Sequence[int], compiled: frozenset[tuple[int, int]],
