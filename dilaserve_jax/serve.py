@@ -18,7 +18,8 @@ from dilaserve_jax.mesh.distributed import add_distributed_args, distributed_con
 log = logging.getLogger(__name__)
 DEFAULT_COMPILE_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "dilaserve_jax", "xla")
 SHARE = "sharing the machine (e.g. with a training job)"
-CONTROLLER_FLAGS = ("interval_s", "min_dwell_s", "bandwidth_gbps", "feedback_min_requests", "price_bursts")
+CONTROLLER_FLAGS = ("interval_s", "min_dwell_s", "bandwidth_gbps", "feedback_min_requests", "price_bursts",
+                    "latency_rate_margin")
 
 
 @dataclass(frozen=True, slots=True)

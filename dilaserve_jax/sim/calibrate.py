@@ -52,6 +52,10 @@ class CalibrateConfig:
                                          "(as python -m dilaserve_jax.sim --price-answer-ends)")
     latency_at_answer_ends: bool = opt(False, "the controller prices the mean latency where answers end (as python -m "
                                               "dilaserve_jax.sim --latency-at-answer-ends)")
+    latency_rate_margin: float | None = opt(None, "the margin past the rate at which the controller's decision reads "
+                                                  "mean latency (as python -m dilaserve_jax.sim --latency-rate-margin; "
+                                                  "the table's predicted latency is at the rate itself)",
+                                            default_text="the controller's default")
     json: bool = opt(False, "print the rows as JSON")
     plot: str | None = opt(None, "draw predicted against simulated attainment per layout", metavar="PNG")
     progress: bool = opt(True, "progress bar on stderr")
@@ -95,11 +99,14 @@ def _sim_argv(cfg: CalibrateConfig, rate: float, seed: int, layout: str) -> list
         argv.append("--price-answer-ends")
     if cfg.latency_at_answer_ends:
         argv.append("--latency-at-answer-ends")
+    if cfg.latency_rate_margin is not None:
+        argv += ["--latency-rate-margin", str(cfg.latency_rate_margin)]
     return argv
 
 
 def predict_point(cfg: CalibrateConfig, rate: float, seed: int, layouts: list[str]) -> dict[str, tuple]:
-    """Layout -> the controller's mean predicted (attainment, latency s, τ) over the run's full windows."""
+    """Layout -> the controller's mean predicted (attainment, latency s, τ, the latency its decision weighs)
+    over the run's full windows (the last: with `latency_rate_margin`, read past the rate)."""
     from dilaserve_jax.sim.__main__ import build_parser as sim_parser, configs, make_specs
     from dilaserve_jax.serving.policy.answer_fill import LastBlockFill
     from dilaserve_jax.sim.setup import setup_model
@@ -131,9 +138,11 @@ def predict_point(cfg: CalibrateConfig, rate: float, seed: int, layouts: list[st
         rate_seen, sample = ctl.load(float(end))
         if not sample:
             continue
-        for p in ctl.predict(rate_seen, sample, cands, spread=ctl.spread(float(end), sample)):
-            preds[layout_text(p.layout)].append((p.attainment, p.latency_s, p.tau))
-    return {k: tuple(float(np.mean([v[i] for v in vals])) for i in range(3)) for k, vals in preds.items() if vals}
+        spread = ctl.spread(float(end), sample)
+        weighed = ctl.predict(rate_seen, sample, cands, spread=spread)
+        for p, w in zip(ctl.predict(rate_seen, sample, cands, spread=spread, latency_margin=0.0), weighed):
+            preds[layout_text(p.layout)].append((p.attainment, p.latency_s, p.tau, w.latency_s))
+    return {k: tuple(float(np.mean([v[i] for v in vals])) for i in range(4)) for k, vals in preds.items() if vals}
 
 
 def published_rates(quality, specs, taus, limit: int = 128) -> list[float]:
@@ -193,7 +202,7 @@ def collect(cfg: CalibrateConfig, results: list[dict], layouts: list[str]) -> li
                 continue
             p, s = np.mean(pv, axis=0), np.mean(np.nan_to_num(np.asarray(sims, dtype=float), nan=0.0), axis=0)
             rows.append({"rate": rate, "layout": lay, "pred_attainment": float(p[0]), "pred_latency": float(p[1]),
-                         "pred_tau": float(p[2]), "sim_attainment": float(s[0]), "sim_latency": float(s[1]),
+                         "pred_tau": float(p[2]), "weighed_latency": float(p[3]), "sim_attainment": float(s[0]), "sim_latency": float(s[1]),
                          "sim_tau": float(s[2]), "error_points": 100 * float(p[0] - s[0])})
     return rows
 
@@ -208,8 +217,8 @@ def ranking(cfg: CalibrateConfig, rows: list[dict]) -> list[dict]:
         at = [r for r in rows if r["rate"] == rate]
         if not at:
             continue
-        ref = min(r["pred_latency"] for r in at)
-        first = max(at, key=lambda r: ccfg.value(r["pred_attainment"], r["pred_tau"], r["pred_latency"], ref))
+        ref = min(r["weighed_latency"] for r in at)
+        first = max(at, key=lambda r: ccfg.value(r["pred_attainment"], r["pred_tau"], r["weighed_latency"], ref))
         best = max(at, key=lambda r: (r["sim_attainment"], -r["sim_latency"]))
         gap = 100 * (best["sim_attainment"] - first["sim_attainment"])
         out.append({"rate": rate, "ranked_first": first["layout"], "simulated_best": best["layout"],

@@ -251,6 +251,21 @@ def test_answers_that_end_early_in_their_last_block_are_predicted_faster(tp_late
         ctl.set_last_block_fill(0.0)
 
 
+def test_the_latency_margin_reads_latency_past_the_load_and_leaves_attainment_and_tau(tp_latency):
+    layouts = [(2, 2, 2, 2), (4, 4), (8,)]
+    sample = [SHAPE] * 4
+    plain = make(tp_latency).predict(20.0, sample, layouts)
+    ctl = make(tp_latency, latency_rate_margin=0.25)
+    margin = ctl.predict(20.0, sample, layouts)
+    past = make(tp_latency).predict(25.0, sample, layouts)
+    assert [(m.attainment, m.tau) for m in margin] == [(p.attainment, p.tau) for p in plain]
+    assert [m.latency_s for m in margin] == [p.latency_s for p in past]
+    assert any(m.latency_s > p.latency_s for m, p in zip(margin, plain))  # a loaded layout slows past its load
+    assert ctl.predict(0.0, sample, layouts) == make(tp_latency).predict(0.0, sample, layouts)
+    with pytest.raises(ValueError, match="margin"):
+        ControllerConfig(latency_rate_margin=-0.1)
+
+
 def _steady(ctl, rate, seconds, realised, layout=(8,)):
     """Arrivals at `rate` for `seconds`, each round told the current layout realised `realised`."""
     now, lay, next_arrival = 0.0, tuple(layout), 0.0

@@ -53,6 +53,7 @@ Every `interval_s` the cluster (or the simulator) calls `decide(now, current, sn
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -178,12 +179,20 @@ class ClusterController:
     # --- the layout decision ---
     def predict(self, rate: float, sample: Sequence[RequestShape],
                 layouts: Sequence[tuple[int, ...]] | None = None, curves: Mapping | None = None,
-                spread: Sequence[tuple[float, float]] | None = None) -> list[LayoutPrediction]:
+                spread: Sequence[tuple[float, float]] | None = None,
+                latency_margin: float | None = None) -> list[LayoutPrediction]:
         """`curves`: the sample's per-TP curves when made already (`_curves`); `spread`: the
-        window's bursts (`spread`), None to price every arrival at `rate`."""
+        window's bursts (`spread`), None to price every arrival at `rate`; `latency_margin`: the mean
+        latency is read at `rate` times 1 + this (None: `latency_rate_margin`, as the decision
+        weighs it; 0: the prediction at the rate itself)."""
         layouts = list(self.candidates if layouts is None else layouts)
-        return evaluate_layouts(layouts, self._curves(sample, layouts) if curves is None else curves, rate,
-                                spread=spread)
+        curves = self._curves(sample, layouts) if curves is None else curves
+        preds = evaluate_layouts(layouts, curves, rate, spread=spread)
+        margin = self.cfg.latency_rate_margin if latency_margin is None else latency_margin
+        if margin and rate > 0:  # the latency a little past the load (ControllerConfig.latency_rate_margin)
+            past = evaluate_layouts(layouts, curves, rate * (1.0 + margin), spread=spread)
+            preds = [dataclasses.replace(p, latency_s=q.latency_s) for p, q in zip(preds, past)]
+        return preds
 
     def spread(self, now: float, sample: Sequence[RequestShape]) -> list[tuple[float, float]] | None:
         """With `price_bursts`: how the window's arrivals bunch, as `bursts.burst_spread` gives it

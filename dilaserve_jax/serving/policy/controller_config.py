@@ -45,6 +45,13 @@ class ControllerConfig:
     latency_at_answer_ends: bool = opt(False, "cluster controller: predict mean latencies with each request's last "
                                               "block priced at the share the instances report answers decode "
                                               "(deadlines and τ stay priced at the whole block)")
+    # the mean latency the decision weighs is read at the arrival rate times (1 + this margin), the
+    # attainment and τ at the rate itself: a latency curve is steep near a layout's capacity, where an
+    # error of a tenth in the modelled capacity doubles the latency, so a layout is preferred for its
+    # speed only where it stays fast a little past the load it sees (docs/simulation.md, "Latency
+    # priced with a margin")
+    latency_rate_margin: float = opt(0.0, "cluster controller: read each layout's predicted mean latency at the "
+                                          "arrival rate times 1 + this margin (attainment and τ at the rate)")
     # feedback (controller.py): when the current layout realises, over the last `feedback_window_s`
     # since it began serving, attainment below its prediction by more than `feedback_tolerance` (and
     # by more than two binomial standard deviations, over at least `feedback_min_requests`), every
@@ -93,6 +100,8 @@ class ControllerConfig:
         if self.feedback_window_s <= 0 or self.feedback_min_requests < 0 or self.feedback_tolerance < 0 \
                 or self.feedback_max_scale < 1:
             raise ValueError("feedback window > 0, min requests >= 0, tolerance >= 0, max scale >= 1")
+        if not self.latency_rate_margin >= 0:
+            raise ValueError("latency rate margin must be >= 0")
         if not 0 < self.tokens_per_step_smoothing <= 1:
             raise ValueError("tokens/step smoothing must be in (0, 1] (1: no smoothing)")
 
