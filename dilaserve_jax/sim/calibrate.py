@@ -138,9 +138,9 @@ def predict_point(cfg: CalibrateConfig, rate: float, seed: int, layouts: list[st
         rate_seen, sample = ctl.load(float(end))
         if not sample:
             continue
-        spread = ctl.spread(float(end), sample)
-        weighed = ctl.predict(rate_seen, sample, cands, spread=spread)
-        for p, w in zip(ctl.predict(rate_seen, sample, cands, spread=spread, latency_margin=0.0), weighed):
+        spread, curves = ctl.spread(float(end), sample), ctl._curves(sample, cands)  # the chains once for both
+        weighed = ctl.predict(rate_seen, sample, cands, curves, spread=spread)
+        for p, w in zip(ctl.predict(rate_seen, sample, cands, curves, spread=spread, latency_margin=0.0), weighed):
             preds[layout_text(p.layout)].append((p.attainment, p.latency_s, p.tau, w.latency_s))
     return {k: tuple(float(np.mean([v[i] for v in vals])) for i in range(4)) for k, vals in preds.items() if vals}
 
