@@ -139,8 +139,9 @@ def predict_point(cfg: CalibrateConfig, rate: float, seed: int, layouts: list[st
         if not sample:
             continue
         spread, curves = ctl.spread(float(end), sample), ctl._curves(sample, cands)  # the chains once for both
-        weighed = ctl.predict(rate_seen, sample, cands, curves, spread=spread)
-        for p, w in zip(ctl.predict(rate_seen, sample, cands, curves, spread=spread, latency_margin=0.0), weighed):
+        plain = ctl.predict(rate_seen, sample, cands, curves, spread=spread, latency_margin=0.0)
+        weighed = ctl.predict(rate_seen, sample, cands, curves, spread=spread) if ctl.cfg.latency_rate_margin else plain
+        for p, w in zip(plain, weighed):
             preds[layout_text(p.layout)].append((p.attainment, p.latency_s, p.tau, w.latency_s))
     return {k: tuple(float(np.mean([v[i] for v in vals])) for i in range(4)) for k, vals in preds.items() if vals}
 
@@ -202,8 +203,8 @@ def collect(cfg: CalibrateConfig, results: list[dict], layouts: list[str]) -> li
                 continue
             p, s = np.mean(pv, axis=0), np.mean(np.nan_to_num(np.asarray(sims, dtype=float), nan=0.0), axis=0)
             rows.append({"rate": rate, "layout": lay, "pred_attainment": float(p[0]), "pred_latency": float(p[1]),
-                         "pred_tau": float(p[2]), "weighed_latency": float(p[3]), "sim_attainment": float(s[0]), "sim_latency": float(s[1]),
-                         "sim_tau": float(s[2]), "error_points": 100 * float(p[0] - s[0])})
+                         "pred_tau": float(p[2]), "weighed_latency": float(p[3]), "sim_attainment": float(s[0]),
+                         "sim_latency": float(s[1]), "sim_tau": float(s[2]), "error_points": 100 * float(p[0] - s[0])})
     return rows
 
 

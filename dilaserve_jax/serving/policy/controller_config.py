@@ -48,8 +48,8 @@ class ControllerConfig:
     # the mean latency the decision weighs is read at the arrival rate times (1 + this margin), the
     # attainment and τ at the rate itself: a latency curve is steep near a layout's capacity, where an
     # error of a tenth in the modelled capacity doubles the latency, so a layout is preferred for its
-    # speed only where it stays fast a little past the load it sees (docs/simulation.md, "Latency
-    # priced with a margin")
+    # speed only where it stays fast a little past the load it sees (docs/simulation.md, "The
+    # conversation-style mix at 180 s, and latency read past the load": off, as it loses at 70 req/s)
     latency_rate_margin: float = opt(0.0, "cluster controller: read each layout's predicted mean latency at the "
                                           "arrival rate times 1 + this margin (attainment and τ at the rate)")
     # feedback (controller.py): when the current layout realises, over the last `feedback_window_s`
