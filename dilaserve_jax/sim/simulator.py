@@ -246,6 +246,14 @@ class Simulation:
         rate, sample = controller.load(first[-1].arrival)
         preds = controller.predict(rate, sample, spread=controller.spread(first[-1].arrival, sample))
         ref = min(p.latency_s for p in preds)
+        k = cfg.controller.refine_candidates
+        if k and self.runner_factory is None:  # the shortlist as it replays (sim/refine.py)
+            from dilaserve_jax.sim.refine import ReplayRefiner
+
+            preds.sort(key=lambda p: cfg.controller.value(p.attainment, p.tau, p.latency_s, ref), reverse=True)
+            preds = list(ReplayRefiner(self)([p.layout for p in preds[:k]], [(s.arrival, _shape(s, cfg))
+                                                                             for s in first], first[-1].arrival))
+            ref = min(p.latency_s for p in preds)
         best = max(preds, key=lambda p: cfg.controller.value(p.attainment, p.tau, p.latency_s, ref))
         return layout_text(best.layout)
 
@@ -266,6 +274,12 @@ class Simulation:
         if cfg.policy == "dilaserve":
             fixed = "reconfig" in cfg.ablate or cfg.layout != "auto"
             ctl = self._controller([parse_layout(start)] if fixed else self._candidates())
+            if not fixed and cfg.controller.refine_candidates:
+                if self.runner_factory is not None:
+                    raise ValueError("refinement by replay needs the modelled runner")
+                from dilaserve_jax.sim.refine import ReplayRefiner
+
+                ctl.refiner = ReplayRefiner(self)
             scaler = cluster.autoscaler = Autoscaler(cluster, ctl, mode="manual", clock=lambda: cluster.now)
             cluster.push(cfg.controller.interval_s, CONTROL, None)
         schedule = parse_schedule(cfg.layout)[1:] if is_schedule(cfg.layout) else []

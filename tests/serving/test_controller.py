@@ -349,3 +349,31 @@ def test_a_bursty_window_is_predicted_below_a_steady_one_at_the_same_mean_rate(t
     # without it only the mean rate counts
     for lay, p in blind.items():
         assert p.attainment == pytest.approx(steady_pred[lay].attainment, abs=0.02)
+
+
+def test_refinement_chooses_within_the_shortlist_by_what_the_replays_realise(tp_latency):
+    # at 60 req/s the analytic chain puts one TP-8 instance first (see the feedback test above)
+    plain = make(tp_latency, window_s=10.0)
+    assert _steady(plain, 60.0, 30.0, realised=None) == (8,)
+    calls = []
+
+    def refiner(layouts, arrivals, now):
+        calls.append((now, list(layouts), [t for t, _ in arrivals]))
+        # the replays say the last of the shortlist is the one that realises its deadlines
+        return [LayoutPrediction(lay, 0.99 if lay == layouts[-1] else 0.5, 0.1, 0.9) for lay in layouts]
+
+    ctl = make(tp_latency, window_s=10.0, refine_candidates=3, refine_window_s=5.0, refine_every_s=4.0)
+    ctl.refiner = refiner
+    final = _steady(ctl, 60.0, 30.0, realised=None)
+    assert calls
+    shortlists = {tuple(c[1]) for c in calls}
+    first = calls[0][1]
+    assert len(first) == 3 and first[0] == (8,)  # the current layout, then the analytic best (itself) and two more
+    assert final in {lay for s in shortlists for lay in s} and final != (8,)
+    for now, layouts, times in calls:  # replays only of the window's last refine_window_s
+        assert times and min(times) >= now - 5.0 and max(times) <= now
+    # replays are reused for refine_every_s while the shortlist holds: far fewer than the rounds
+    assert len(calls) < len(ctl.history) / 2
+    assert all(lay in shortlists for lay in map(tuple, [c[1] for c in calls]))
+    with pytest.raises(ValueError, match="replay window"):
+        ControllerConfig(refine_candidates=2, refine_window_s=60.0)

@@ -57,7 +57,7 @@ import dataclasses
 import threading
 import time
 from collections import deque
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from dilaserve_jax.core.layouts import binary_partitions, layout_text, moved_fraction, parse_layout, placements
 from dilaserve_jax.serving.policy.bursts import burst_spread
@@ -105,6 +105,12 @@ class ClusterController:
         self.last_switch: float | None = None
         self._streak: tuple[str, int] = ("", 0)
         self.migrations = MigrationPlanner(cfg)
+        # refinement by replay (`_refined`): refiner(layouts, [(arrival time, shape)], now) -> a
+        # LayoutPrediction per layout, from replaying those arrivals on it (the simulator supplies one)
+        self.refiner: Callable[[list[tuple[int, ...]], list[tuple[float, RequestShape]], float],
+                               Sequence[LayoutPrediction]] | None = None
+        self._replays: tuple[float, dict] = (-float("inf"), {})
+        self.refine_seconds = 0.0  # wall time spent in replays
 
     # --- inputs ---
     def observe(self, shape: RequestShape, now: float) -> None:
@@ -294,6 +300,9 @@ class ClusterController:
         preds = {p.layout: p for p in self.predict(rate, sample, layouts, curves, spread=spread)}
         checked = "" if rate == arrival_rate else (f" [priced at {rate:.1f} req/s, not {arrival_rate:.1f}: "
                                                    f"{cur_text} realised {got:.1%}, below its prediction]")
+        if self.refiner is not None and self.cfg.refine_candidates:
+            preds, replayed = self._refined(now, current, preds)
+            checked += replayed
         now_pred = preds[current]
         ref_lat = now_pred.latency_s  # (value() guards a zero)
 
@@ -352,6 +361,30 @@ class ClusterController:
                                          rate, predicted, cost, time.perf_counter() - t0, got))
         return self._record(Decision(now, cur_text, best_text, False, reason + checked, rate, predicted, cost,
                                      time.perf_counter() - t0, got))
+
+    def _refined(self, now: float, current: tuple[int, ...],
+                 preds: Mapping[tuple[int, ...], LayoutPrediction]) -> tuple[dict, str]:
+        """The shortlist (the analytic ranking's best `refine_candidates` and the current layout) with
+        the figures the refiner's replays of the last `refine_window_s` of arrivals give them; the
+        other candidates drop out of this round. Replays are reused for `refine_every_s` while the
+        shortlist is the same, so that all of it is always compared on one window."""
+        ref = preds[current].latency_s
+        order = sorted(preds.values(), key=lambda p: (self.cfg.value(p.attainment, p.tau, p.latency_s, ref),
+                                                      p.layout == current), reverse=True)
+        short = list(dict.fromkeys([current, *(p.layout for p in order[:self.cfg.refine_candidates])]))
+        when, replays = self._replays
+        if now - when > self.cfg.refine_every_s or not set(short) <= set(replays):
+            with self._lock:
+                arrivals = [(t, s) for t, s in self._arrivals if t >= now - self.cfg.refine_window_s]
+            if not arrivals:
+                return dict(preds), ""
+            t0 = time.perf_counter()
+            replays = {p.layout: p for p in self.refiner(short, arrivals, now)}
+            self._replays = (now, replays)
+            self.refine_seconds += time.perf_counter() - t0
+            when = now
+        out = {lay: replays.get(lay, preds[lay]) for lay in short}
+        return out, f" [by replay at {when:.0f} s of {', '.join(layout_text(x) for x in short)}]"
 
     def switched(self, now: float) -> None:
         """The actuator applied a switch (manual ones too): the dwell time starts now."""

@@ -60,6 +60,18 @@ class ControllerConfig:
     # `price_answer_ends` on a step 20 -> 90 -> 20 req/s, but on the bursty sped-up code trace it
     # switched 9-10 times where the controller without it switches 3, and lost 3.6-4 points
     # (docs/simulation.md, "Feedback from the layout being served")
+    # refinement by replay (controller.py, "Refinement"): the analytic ranking's best
+    # `refine_candidates` layouts and the current one are replayed on the last `refine_window_s` of
+    # arrivals by a refiner the host supplies (the simulator's own event loop; serve has none), and
+    # the decision chooses among them by what the replays realise. A replay is reused for
+    # `refine_every_s`; the first `refine_warmup` share of its arrivals fill the empty instances and
+    # are not counted. 0: off, the default
+    refine_candidates: int = opt(0, "cluster controller: replay the recent arrivals on this many of the best "
+                                    "predicted layouts and the current one, and choose among them by the replays "
+                                    "(0: off; the simulator only)")
+    refine_window_s: float = 15.0
+    refine_every_s: float = 10.0
+    refine_warmup: float = 1.0 / 3.0
     feedback_window_s: float = 15.0
     feedback_min_requests: int = opt(0, "cluster controller: finished or overdue requests needed before its "
                                         "prediction for the current layout is corrected to what that layout "
@@ -100,6 +112,10 @@ class ControllerConfig:
         if self.feedback_window_s <= 0 or self.feedback_min_requests < 0 or self.feedback_tolerance < 0 \
                 or self.feedback_max_scale < 1:
             raise ValueError("feedback window > 0, min requests >= 0, tolerance >= 0, max scale >= 1")
+        if self.refine_candidates < 0 or not 0 < self.refine_window_s or self.refine_every_s < 0 \
+                or not 0 <= self.refine_warmup < 1 or (self.refine_candidates and self.refine_window_s > self.window_s):
+            raise ValueError("refine candidates >= 0, replay window in (0, the arrival window], replays reused "
+                             "for >= 0 s, warm-up share in [0, 1)")
         if not self.latency_rate_margin >= 0:
             raise ValueError("latency rate margin must be >= 0")
         if not 0 < self.tokens_per_step_smoothing <= 1:
