@@ -277,9 +277,10 @@ class Simulation:
             if not fixed and cfg.controller.refine_candidates:
                 if self.runner_factory is not None:
                     raise ValueError("refinement by replay needs the modelled runner")
+                from dilaserve_jax.serving.policy.refinement import Refinement
                 from dilaserve_jax.sim.refine import ReplayRefiner
 
-                ctl.refiner = ReplayRefiner(self)
+                ctl.refinement = Refinement(cfg.controller, ReplayRefiner(self))
             scaler = cluster.autoscaler = Autoscaler(cluster, ctl, mode="manual", clock=lambda: cluster.now)
             cluster.push(cfg.controller.interval_s, CONTROL, None)
         schedule = parse_schedule(cfg.layout)[1:] if is_schedule(cfg.layout) else []

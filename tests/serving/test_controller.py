@@ -13,6 +13,7 @@ from dilaserve_jax.serving.policy.layout_eval import LayoutPrediction
 from dilaserve_jax.serving.policy.controller import AtRisk, ClusterController, ControllerConfig
 from dilaserve_jax.serving.cluster.fake_runner import fake_tp_profile
 from dilaserve_jax.serving.policy.latency import LatencyModel
+from dilaserve_jax.serving.policy.refinement import Refinement
 
 SHAPE = RequestShape(prompt_len=32, answer_len=64, block_len=16, slo_s=0.4)
 
@@ -363,7 +364,7 @@ def test_refinement_chooses_within_the_shortlist_by_what_the_replays_realise(tp_
         return [LayoutPrediction(lay, 0.99 if lay == layouts[-1] else 0.5, 0.1, 0.9) for lay in layouts]
 
     ctl = make(tp_latency, window_s=10.0, refine_candidates=3, refine_window_s=5.0, refine_every_s=4.0)
-    ctl.refiner = refiner
+    ctl.refinement = Refinement(ctl.cfg, refiner)
     final = _steady(ctl, 60.0, 30.0, realised=None)
     assert calls
     shortlists = {tuple(c[1]) for c in calls}

@@ -52,10 +52,10 @@ def test_a_replay_is_the_fixed_layout_run_of_the_window_and_ranks_an_overloaded_
     assert narrow.attainment == pytest.approx(sum(r.met for r in counted) / len(counted))
 
 
-def test_a_run_with_refinement_reports_replays_and_needs_the_modelled_runner(llada):
+def test_a_run_with_refinement_replays_and_loses_nothing(llada):
     sim = _sim(llada, 20, 24.0, refine_candidates=2, refine_every_s=20.0)
     res = sim.run()
     ctl = sim.cluster.autoscaler.controller
-    assert len(res.records) == len(sim.specs) and ctl.refiner.replays >= 2 and ctl.refine_seconds > 0
+    assert len(res.records) == len(sim.specs) and ctl.refinement.refiner.replays >= 2 and ctl.refinement.seconds > 0
     replayed = [d for d in ctl.history if "by replay" in d.reason]
     assert replayed and all(len(d.predicted) <= 3 for d in replayed)  # the current layout and two more at most

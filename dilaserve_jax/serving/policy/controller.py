@@ -47,6 +47,9 @@ Every `interval_s` the cluster (or the simulator) calls `decide(now, current, sn
   last half agrees with it, the decision prices that half's rate at once, and switches only for a
   gain beyond the cost by `level_shift_gain` (0.1), so that small swings still wait for the window.
   Every decision carries its reason and predictions, kept in `history`.
+- **Refinement** (`refinement.py`; off by default): with `refine_candidates` and a refiner the host
+  supplies (the simulator's), only the current layout and the chain's best few compete, each
+  priced by replaying the recent arrivals on it.
 - **Migration.** `plan_migrations` (`migration.py`): a request at risk on one instance (it cannot meet its deadline
   there even at its τ floor) moves at the next step boundary to an instance with a free slot and
   an empty queue whose estimate says it will meet it there.
@@ -57,9 +60,9 @@ import dataclasses
 import threading
 import time
 from collections import deque
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
-from dilaserve_jax.core.layouts import binary_partitions, layout_text, moved_fraction, parse_layout, placements
+from dilaserve_jax.core.layouts import binary_partitions, layout_text, moved_fraction, parse_layout
 from dilaserve_jax.serving.policy.bursts import burst_spread
 from dilaserve_jax.serving.policy.capacity import RequestShape, StepShapes, instance_curves, with_latency_of
 from dilaserve_jax.serving.policy.controller_config import (  # noqa: F401 - re-exported: the controller's API
@@ -68,6 +71,8 @@ from dilaserve_jax.serving.policy.latency import LatencyModel
 from dilaserve_jax.serving.policy.layout_eval import LayoutPrediction, evaluate_layouts
 from dilaserve_jax.serving.policy.load_window import load_moved, rate_since
 from dilaserve_jax.serving.policy.migration import MigrationPlanner
+from dilaserve_jax.serving.policy.refinement import Refinement
+from dilaserve_jax.serving.policy.switch_cost import build_seconds
 from dilaserve_jax.serving.policy.threshold_config import DEFAULT_PRIOR
 from dilaserve_jax.core.kinds import StepKind
 
@@ -105,12 +110,7 @@ class ClusterController:
         self.last_switch: float | None = None
         self._streak: tuple[str, int] = ("", 0)
         self.migrations = MigrationPlanner(cfg)
-        # refinement by replay (`_refined`): refiner(layouts, [(arrival time, shape)], now) -> a
-        # LayoutPrediction per layout, from replaying those arrivals on it (the simulator supplies one)
-        self.refiner: Callable[[list[tuple[int, ...]], list[tuple[float, RequestShape]], float],
-                               Sequence[LayoutPrediction]] | None = None
-        self._replays: tuple[float, dict] = (-float("inf"), {})
-        self.refine_seconds = 0.0  # wall time spent in replays
+        self.refinement: Refinement | None = None  # refinement by replay (refinement.py), when a host supplies one
 
     # --- inputs ---
     def observe(self, shape: RequestShape, now: float) -> None:
@@ -167,6 +167,10 @@ class ClusterController:
         recent, whole = moved
         return (f"{recent:.1f} req/s over the last {w / 2:g} s against {whole:.1f} over {w:g} s "
                 f"(settled within {100 * tol:.0f}%)")
+
+    def _since(self, start: float) -> list[tuple[float, RequestShape]]:
+        with self._lock:
+            return [(t, s) for t, s in self._arrivals if t >= start]
 
     def _times(self, now: float) -> list[float]:
         with self._lock:
@@ -300,8 +304,8 @@ class ClusterController:
         preds = {p.layout: p for p in self.predict(rate, sample, layouts, curves, spread=spread)}
         checked = "" if rate == arrival_rate else (f" [priced at {rate:.1f} req/s, not {arrival_rate:.1f}: "
                                                    f"{cur_text} realised {got:.1%}, below its prediction]")
-        if self.refiner is not None and self.cfg.refine_candidates:
-            preds, replayed = self._refined(now, current, preds)
+        if self.refinement is not None and self.cfg.refine_candidates:
+            preds, replayed = self.refinement.shortlist(now, current, preds, self._since)
             checked += replayed
         now_pred = preds[current]
         ref_lat = now_pred.latency_s  # (value() guards a zero)
@@ -362,30 +366,6 @@ class ClusterController:
         return self._record(Decision(now, cur_text, best_text, False, reason + checked, rate, predicted, cost,
                                      time.perf_counter() - t0, got))
 
-    def _refined(self, now: float, current: tuple[int, ...],
-                 preds: Mapping[tuple[int, ...], LayoutPrediction]) -> tuple[dict, str]:
-        """The shortlist (the analytic ranking's best `refine_candidates` and the current layout) with
-        the figures the refiner's replays of the last `refine_window_s` of arrivals give them; the
-        other candidates drop out of this round. Replays are reused for `refine_every_s` while the
-        shortlist is the same, so that all of it is always compared on one window."""
-        ref = preds[current].latency_s
-        order = sorted(preds.values(), key=lambda p: (self.cfg.value(p.attainment, p.tau, p.latency_s, ref),
-                                                      p.layout == current), reverse=True)
-        short = list(dict.fromkeys([current, *(p.layout for p in order[:self.cfg.refine_candidates])]))
-        when, replays = self._replays
-        if now - when > self.cfg.refine_every_s or not set(short) <= set(replays):
-            with self._lock:
-                arrivals = [(t, s) for t, s in self._arrivals if t >= now - self.cfg.refine_window_s]
-            if not arrivals:
-                return dict(preds), ""
-            t0 = time.perf_counter()
-            replays = {p.layout: p for p in self.refiner(short, arrivals, now)}
-            self._replays = (now, replays)
-            self.refine_seconds += time.perf_counter() - t0
-            when = now
-        out = {lay: replays.get(lay, preds[lay]) for lay in short}
-        return out, f" [by replay at {when:.0f} s of {', '.join(layout_text(x) for x in short)}]"
-
     def switched(self, now: float) -> None:
         """The actuator applied a switch (manual ones too): the dwell time starts now."""
         self.last_switch = now
@@ -425,12 +405,3 @@ class ClusterController:
                                  f"{self.tp_degrees}")
             return list(dict.fromkeys(out))
         return binary_partitions(self.num_devices, self.tp_degrees)
-
-
-def build_seconds(old: Sequence[int], new: Sequence[int], compiled: frozenset[tuple[int, int]],
-                  cfg: ControllerConfig) -> float:
-    """Seconds to build the instances of layout `new` that `old` lacks, one after another: each
-    is built and warmed (`load_s`), and compiled first if its placement is not in `compiled`."""
-    kept = placements(old)
-    added = [p for p in placements(new) if p not in kept]
-    return cfg.load_s * len(added) + cfg.compile_s * sum(p not in compiled for p in added)

@@ -29,7 +29,8 @@ from dilaserve_jax.core.host_layouts import (MAX_CANDIDATES, HostsLayout, assign
                                              flat_candidates, flatten, host_partitions, hosts_layout_text)
 from dilaserve_jax.core.layouts import moved_fraction, parse_layout
 from dilaserve_jax.serving.policy.capacity import RequestShape, StepShapes
-from dilaserve_jax.serving.policy.controller import ClusterController, ControllerConfig, Decision, build_seconds
+from dilaserve_jax.serving.policy.controller import ClusterController, ControllerConfig, Decision
+from dilaserve_jax.serving.policy.switch_cost import build_seconds
 from dilaserve_jax.serving.policy.latency import LatencyModel
 
 
