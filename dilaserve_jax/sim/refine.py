@@ -37,6 +37,9 @@ class ReplayRefiner:
 
         start = arrivals[0][0]
         specs = [replace(self._by_arrival[t], arrival=t - start) for t, _ in arrivals if t in self._by_arrival]
+        if len(specs) != len(arrivals):  # the controller saw arrivals this run did not make
+            raise RuntimeError(f"{len(arrivals) - len(specs)} of {len(arrivals)} arrivals to replay are not requests "
+                               f"of this simulation")
         counted_from = (now - start) * self.sim.cfg.controller.refine_warmup
         out = []
         for layout in layouts:
