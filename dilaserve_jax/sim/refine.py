@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
 
 class ReplayRefiner:
-    """refiner(layouts, [(arrival, shape)], now) for `ClusterController.refiner`, over `sim`'s
-    requests (matched by arrival time) and models."""
+    """The refiner `serving/policy/refinement.Refinement` calls, refiner(layouts, [(arrival, shape)],
+    now), over `sim`'s requests (matched by arrival time) and models."""
 
     def __init__(self, sim: "Simulation") -> None:
         self.sim = sim

@@ -173,8 +173,7 @@ class ClusterController:
             return [(t, s) for t, s in self._arrivals if t >= start]
 
     def _times(self, now: float) -> list[float]:
-        with self._lock:
-            return [t for t, _ in self._arrivals if t >= now - self.cfg.window_s]
+        return [t for t, _ in self._since(now - self.cfg.window_s)]
 
     def _level(self, times: Sequence[float], now: float) -> float | None:
         """The last half-window's rate when the window's rate lags it but the last half itself has
