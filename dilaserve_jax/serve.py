@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 DEFAULT_COMPILE_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "dilaserve_jax", "xla")
 SHARE = "sharing the machine (e.g. with a training job)"
 CONTROLLER_FLAGS = ("interval_s", "min_dwell_s", "bandwidth_gbps", "feedback_min_requests", "price_bursts",
-                    "latency_rate_margin")
+                    "latency_rate_margin", "latency_feedback_requests",
+                    "switch_attainment_tolerance")
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,8 @@ from dilaserve_jax.sim.workload import (RequestSpec, TinyShapes, arrival_times, 
 log = logging.getLogger(__name__)
 CONTROLLER_FLAGS = ("interval_s", "min_dwell_s", "bandwidth_gbps", "compile_s", "load_s", "price_answer_ends",
                     "feedback_min_requests", "price_bursts", "latency_at_answer_ends", "latency_rate_margin",
-                    "refine_candidates")
+                    "refine_candidates", "latency_feedback_requests",
+                    "switch_attainment_tolerance")
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,8 +46,9 @@ def test_past_capacity_the_backlog_adds_its_mean_wait_over_the_horizon():
     assert loaded.attainment == plain.attainment  # the chain's attainment is kept
     # half the arrivals are beyond capacity: the backlog's wait grows to (1 - 5/10)·30 s, 7.5 s on average
     assert np.isclose(loaded.latency_s - plain.latency_s, (1 - 5.0 / 10.0) * 30.0 / 2)
-    within = [evaluate_layouts([(1,)], curves, 4.0, overload_horizon_s=h)[0].latency_s for h in (None, 30.0)]
-    assert within[0] == within[1]
+    assert np.isclose(loaded.backlog_s, loaded.latency_s - plain.latency_s) and plain.backlog_s == 0.0
+    within = [evaluate_layouts([(1,)], curves, 4.0, overload_horizon_s=h)[0] for h in (None, 30.0)]
+    assert within[0].latency_s == within[1].latency_s and within[1].backlog_s == 0.0
 
 
 def test_the_backlog_is_priced_at_the_capacity_of_the_tau_the_layout_runs():

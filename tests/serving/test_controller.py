@@ -267,14 +267,15 @@ def test_the_latency_margin_reads_latency_past_the_load_and_leaves_attainment_an
         ControllerConfig(latency_rate_margin=-0.1)
 
 
-def _steady(ctl, rate, seconds, realised, layout=(8,)):
-    """Arrivals at `rate` for `seconds`, each round told the current layout realised `realised`."""
+def _steady(ctl, rate, seconds, realised, layout=(8,), realised_latency=lambda layout: None):
+    """Arrivals at `rate` for `seconds`, each round told the current layout realised `realised`
+    and `realised_latency(layout)`."""
     now, lay, next_arrival = 0.0, tuple(layout), 0.0
     while now < seconds:
         while next_arrival <= now:
             ctl.observe(SHAPE, next_arrival)
             next_arrival += 1.0 / rate
-        d = ctl.decide(now, lay, realised=realised)
+        d = ctl.decide(now, lay, realised=realised, realised_latency=realised_latency(lay))
         if d.switch:
             lay = parse_layout(d.chosen)
             ctl.switched(now)
@@ -304,6 +305,65 @@ def test_a_layout_realising_far_less_than_predicted_is_priced_at_a_heavier_load(
         assert _steady(few, 60.0, 30.0, realised=(2, 10) if few.cfg.feedback_min_requests else (20, 100)) == (8,)
         assert not any("priced at" in d.reason for d in few.history)
         assert few.history[-1].realised == pytest.approx(0.2) and "realised 20.0%" in str(few.history[-1])
+
+
+def test_a_layout_slower_than_predicted_is_left_and_not_chosen_again_at_that_load(tp_latency):
+    # at 10 req/s every layout meets the deadlines and one TP-8 instance is predicted fastest
+    rate, sample = 10.0, [SHAPE] * 4
+    predicted = {p.layout: p.latency_s for p in make(tp_latency).predict(rate, sample)}
+    assert min(predicted, key=predicted.get) == (8,)
+    as_predicted = make(tp_latency)
+    assert _steady(as_predicted, rate, 60.0, None, realised_latency=lambda lay: (predicted[lay], 100)) == (8,)
+    assert "latency x1.00 as realised" in as_predicted.history[-1].reason
+    # told it runs five times slower than predicted, it leaves for the layout predicted next best and
+    # stays there (it runs as predicted) while the load holds: the memory keeps TP 8 at x4, the cap
+    slow = make(tp_latency)
+    realised = lambda lay: (predicted[lay] * (5.0 if lay == (8,) else 1.0), 100)  # noqa: E731
+    left = _steady(slow, rate, 60.0, None, realised_latency=realised)
+    assert left != (8,) and slow.latency_memory.get((8,), rate, 60.0).ratio == pytest.approx(4.0)  # (capped)
+    assert len(slow.history) == 60 and sum(d.switch for d in slow.history) == 1
+    # off: the chain's figures alone
+    assert _steady(make(tp_latency, latency_feedback_requests=0), rate, 60.0, None, realised_latency=realised) == (8,)
+
+
+def test_latency_is_measured_on_steady_windows_only(tp_latency):
+    bursty, steady = make(tp_latency), make(tp_latency)
+    for k in range(6):  # 10 req/s on average: each 5 s's arrivals all within its first half second
+        for i in range(50):
+            bursty.observe(SHAPE, k * 5.0 + i / 100.0)
+    for i in range(300):
+        steady.observe(SHAPE, i / 10.0)
+    now = 30.0
+    assert bursty.spread(now, bursty.load(now)[1]) is not None and steady.spread(now, steady.load(now)[1]) is None
+    for ctl in (bursty, steady):
+        ctl.decide(now, (8,), realised_latency=(5.0, 100))
+    assert not bursty.latency_memory.measured and "as realised" not in bursty.history[-1].reason
+    assert steady.latency_memory.get((8,), 10.0, now) is not None and "as realised" in steady.history[-1].reason
+
+
+def test_no_switch_gives_up_predicted_attainment_beyond_the_tolerance_for_speed(tp_latency, monkeypatch):
+    # hand-built predictions: 4x2 wins the objective on speed with a point fewer deadlines met;
+    # 2x4 meets as many as the current 1x8 and is faster
+    fixed = {(8,): LayoutPrediction((8,), 0.95, 1.0, 0.8), (4, 4): LayoutPrediction((4, 4), 0.94, 0.5, 0.6),
+             (2, 2, 2, 2): LayoutPrediction((2, 2, 2, 2), 0.95, 0.8, 0.8)}
+
+    def predict(self, rate, sample, layouts=None, curves=None, spread=None):
+        return [fixed.get(tuple(lay), LayoutPrediction(tuple(lay), 0.5, 5.0, 0.6)) for lay in layouts]
+
+    monkeypatch.setattr(ClusterController, "predict", predict)
+    cfg = ControllerConfig()
+    value = {lay: cfg.value(p.attainment, p.tau, p.latency_s, 1.0) for lay, p in fixed.items()}
+    assert max(value, key=value.get) == (4, 4)
+    assert _steady(make(tp_latency), 20.0, 30.0, None) == (2, 2, 2, 2)
+    ctl = make(tp_latency, switch_attainment_tolerance=float("inf"))  # the objective alone
+    assert _steady(ctl, 20.0, 30.0, None) == (4, 4)
+    assert "4x2" in ctl.history[0].predicted  # the record keeps the objective's top three either way
+    # past its capacity (a backlog priced) the current layout's attainment misses what the backlog
+    # costs, and speed decides
+    fixed[(8,)] = LayoutPrediction((8,), 0.95, 1.0, 0.8, backlog_s=0.5)
+    assert _steady(make(tp_latency), 20.0, 30.0, None) == (4, 4)
+    with pytest.raises(ValueError, match="tolerance"):
+        ControllerConfig(switch_attainment_tolerance=-0.01)
 
 
 def test_poisson_arrivals_have_no_spread_and_bursts_are_priced_at_their_rate():

@@ -20,7 +20,7 @@ from dilaserve_jax.serving.cluster.state import ControllerState
 from dilaserve_jax.serving.policy.answer_fill import pooled_fill
 from dilaserve_jax.serving.policy.capacity import RequestShape
 from dilaserve_jax.serving.policy.controller import AtRisk, ClusterController, Decision, Migration
-from dilaserve_jax.serving.policy.outcomes import realised
+from dilaserve_jax.serving.policy.outcomes import realised, realised_latency
 from dilaserve_jax.serving.policy.request import Request
 
 log = logging.getLogger(__name__)
@@ -118,8 +118,10 @@ class Autoscaler:
             tuple(i.tp_degree for i in cluster.infos)
         since = ctl.feedback_since(now)
         got = realised((s.load.outcomes for s in snaps), (d for s in snaps for d in s.load.deadlines), since, now)
+        lat_since = ctl.latency_feedback_since(now, slack)
+        lat = None if lat_since is None else realised_latency((s.load.outcomes for s in snaps), lat_since)
         decision = ctl.decide(now, current, in_flight_slack=slack, compiled=cluster.compiled_placements(),
-                              realised=got)
+                              realised=got, realised_latency=lat)
         if decision.switch:
             log.info("controller: %s", decision)
             report = cluster.reconfigure(decision.chosen, reason="controller")

@@ -17,18 +17,19 @@ Every `interval_s` the cluster (or the simulator) calls `decide(now, current, sn
   `bursts.burst_spread`): on the sped-up code trace a window at 60 req/s holds seconds at
   several times that, and the mean rate alone predicted 86-94% where the layout realised 45-77%.
   Poisson arrivals show no excess and are priced at the mean as before.
-- **Feedback.** The prediction for the layout being served is checked against what it realises:
-  the requests it finished over the last `feedback_window_s` (since it began serving), plus those
-  in flight past their deadline, which the instances publish (outcomes.py). When at least
-  `feedback_min_requests` count and the realised attainment is below the prediction by more than
-  `feedback_tolerance` and two binomial standard deviations, every candidate is priced at the rate
-  where the current layout's prediction falls to what it realised (up to `feedback_max_scale`
-  times the arrivals): the load it behaves as if it carried, a backlog or steps the model prices
-  too cheaply. A prediction can only be checked for the layout that runs; the others are compared
-  at the same corrected load, so one optimistic model does not favour the layout it is wrong about.
+- **Feedback** (`feedback.py`). The prediction for the layout being served is checked against
+  what it realises over the last `feedback_window_s` (since it began serving), which the
+  instances publish (outcomes.py). Attainment (off by default, `feedback_min_requests`): when it
+  realises clearly less than predicted, every candidate is priced at the rate where the current
+  layout's prediction falls to what it realised (the others are compared at the same corrected
+  load, so one optimistic model does not favour the layout it is wrong about). Latency (on by
+  default, `latency_feedback_requests`): its realised mean latency over its prediction,
+  remembered per layout at the rate it was measured at, scales that layout's predicted latency
+  while the load stays near that rate.
 - **Objective.** attainment + `tau_weight`·mean τ − `latency_weight`·latency/latency_now: deadlines
   first, then quality, then speed (at low load every layout meets every deadline at τ_max and the
-  widest instances finish soonest; at high load narrow instances keep τ high).
+  widest instances finish soonest; at high load narrow instances keep τ high). No switch gives up
+  more than `switch_attainment_tolerance` of predicted attainment for speed or τ.
 - **Switching cost.** Bytes that must move (`core.layouts.moved_fraction` of the model per device) at
   `bandwidth_gbps`, building each new instance (`load_s`) plus compiling the placements never
   compiled (`compile_s`; on a GPU with the persistent compile cache a TP degree compiled once is
@@ -68,6 +69,7 @@ from dilaserve_jax.serving.policy.capacity import RequestShape, StepShapes, inst
 from dilaserve_jax.serving.policy.controller_config import (  # noqa: F401 - re-exported: the controller's API
     AtRisk, ControllerConfig, Decision, Migration)
 from dilaserve_jax.serving.policy.latency import LatencyModel
+from dilaserve_jax.serving.policy.feedback import LatencyMemory, checked_rate
 from dilaserve_jax.serving.policy.layout_eval import LayoutPrediction, evaluate_layouts
 from dilaserve_jax.serving.policy.load_window import load_moved, rate_since
 from dilaserve_jax.serving.policy.migration import MigrationPlanner
@@ -111,6 +113,10 @@ class ClusterController:
         self._streak: tuple[str, int] = ("", 0)
         self.migrations = MigrationPlanner(cfg)
         self.refinement: Refinement | None = None  # refinement by replay (refinement.py), when a host supplies one
+        self.latency_memory = LatencyMemory(min_requests=cfg.latency_feedback_requests,
+                                            smoothing=cfg.latency_feedback_smoothing,
+                                            rate_tolerance=cfg.latency_memory_rate_tolerance,
+                                            memory_s=cfg.latency_memory_s)
 
     # --- inputs ---
     def observe(self, shape: RequestShape, now: float) -> None:
@@ -240,41 +246,15 @@ class ClusterController:
         start = now - self.cfg.feedback_window_s
         return start if self.last_switch is None else max(start, self.last_switch)
 
-    def _checked_rate(self, current: tuple[int, ...], curves: Mapping, rate: float,
-                      realised: tuple[int, int] | None,
-                      spread: Sequence[tuple[float, float]] | None = None) -> tuple[float, float | None]:
-        """(the rate to price every layout at, the realised attainment when it was checked): the
-        arrival rate, or, when the current layout realises less than predicted there beyond the
-        tolerance and the noise, the rate at which its prediction falls to what it realised (the
-        load it behaves as if it had: a backlog, or a model that prices its steps too cheaply)."""
-        if realised is None or not realised[1]:
-            return rate, None
-        met, n = realised
-        got = met / n  # recorded with the decision either way
-        if not self.cfg.feedback_min_requests or n < self.cfg.feedback_min_requests:
-            return rate, got
-        noise = 2.0 * (max(got * (1.0 - got), 0.05 * 0.95) / n) ** 0.5
-
-        def att(r: float) -> float:
-            return evaluate_layouts([current], curves, r, spread=spread)[0].attainment
-
-        if rate <= 0 or got >= att(rate) - max(self.cfg.feedback_tolerance, noise):
-            return rate, got
-        lo, hi = rate, rate * self.cfg.feedback_max_scale
-        if att(hi) > got:
-            return hi, got
-        for _ in range(12):  # to 1/4096 of the bracket
-            mid = 0.5 * (lo + hi)
-            lo, hi = (mid, hi) if att(mid) > got else (lo, mid)
-        return hi, got
-
     def decide(self, now: float, current: Sequence[int], *, in_flight_slack: Sequence[float] = (),
                compiled: frozenset[tuple[int, int]] = frozenset(),
-               realised: tuple[int, int] | None = None) -> Decision:
+               realised: tuple[int, int] | None = None,
+               realised_latency: tuple[float, int] | None = None) -> Decision:
         """Choose the layout for the next period. `in_flight_slack`: deadline - now of the requests
         in flight (charged if a switch would pause them past it); `compiled`: (TP, first device)
         placements whose executables exist; `realised`: (met, counted) of the requests the current
-        layout finished since `feedback_since(now)` plus those in flight past their deadline."""
+        layout finished since `feedback_since(now)` plus those in flight past their deadline;
+        `realised_latency`: (mean latency s, count) of those that arrived since then and finished."""
         t0 = time.perf_counter()
         current = tuple(sorted(current, reverse=True))
         cur_text = layout_text(current)
@@ -299,10 +279,18 @@ class ClusterController:
         # a rate read off the last half-window is a jump or a rise, which that rule prices already:
         # the bursts are read only on a window whose mean is the rate
         spread = self.spread(now, sample) if whole_window else None
-        rate, got = self._checked_rate(current, curves, rate, realised, spread)
+        rate, got = checked_rate(self.cfg, current, curves, rate, realised, spread)
         preds = {p.layout: p for p in self.predict(rate, sample, layouts, curves, spread=spread)}
         checked = "" if rate == arrival_rate else (f" [priced at {rate:.1f} req/s, not {arrival_rate:.1f}: "
                                                    f"{cur_text} realised {got:.1%}, below its prediction]")
+        # latency is measured on a steady window only: under bursts (or a rise priced at the last
+        # half) what a layout realises swings with the bursts, not with the model's error
+        steady = whole_window and spread is None
+        measured = self.latency_memory.observe(current, now, rate, preds[current].latency_s,
+                                               realised_latency if steady else None)
+        preds = self.latency_memory.correct(preds, rate, now)
+        if measured is not None:
+            checked += f" [{cur_text} latency x{measured.ratio:.2f} as realised]"
         if self.refinement is not None and self.cfg.refine_candidates:
             preds, replayed = self.refinement.shortlist(now, current, preds, self._since)
             checked += replayed
@@ -312,14 +300,20 @@ class ClusterController:
         def value(p: LayoutPrediction) -> float:
             return self.cfg.value(p.attainment, p.tau, p.latency_s, ref_lat)
 
-        ranked = sorted(preds.values(), key=lambda p: (value(p), p.layout == current), reverse=True)
+        by_value = sorted(preds.values(), key=lambda p: (value(p), p.layout == current), reverse=True)
+        # deadlines first: while the current layout keeps up, no switch to one predicted to meet
+        # fewer of them (beyond the tolerance) for its speed or τ; latency is least reliable near
+        # capacity, where those trades are offered. Past its capacity the chain's attainment does not
+        # see the backlog and its latency does, so there speed decides (switch_attainment_tolerance)
+        floor = now_pred.attainment - self.cfg.switch_attainment_tolerance if now_pred.backlog_s <= 0 else -1.0
+        ranked = [p for p in by_value if p.layout == current or p.attainment >= floor]
         best = ranked[0]
         # the layout a streak is confirming stays the target while it is within the hysteresis of the
         # round's best: near-equal candidates trade first place from round to round with the sample
         held = next((p for p in ranked if layout_text(p.layout) == self._streak[0]), None)
         if held is not None and best.layout != current and value(held) >= value(best) - self.cfg.hysteresis:
             best = held
-        predicted = {layout_text(p.layout): (p.attainment, p.latency_s, p.tau) for p in [best, *ranked[:3]]}
+        predicted = {layout_text(p.layout): (p.attainment, p.latency_s, p.tau) for p in [best, *by_value[:3]]}
         predicted.setdefault(cur_text, (now_pred.attainment, now_pred.latency_s, now_pred.tau))
         if best.layout == current:
             self._streak = ("", 0)
@@ -368,6 +362,12 @@ class ClusterController:
     def switched(self, now: float) -> None:
         """The actuator applied a switch (manual ones too): the dwell time starts now."""
         self.last_switch = now
+        self.latency_memory.switched()
+
+    def latency_feedback_since(self, now: float, in_flight_slack: Sequence[float]) -> float | None:
+        """Requests arriving from this time on and finished count as the current layout's realised
+        latency (`decide`'s `realised_latency`); None: not yet (feedback.py)."""
+        return self.latency_memory.since(now, self.feedback_since(now), in_flight_slack)
 
     def switch_seconds(self, old: Sequence[int], new: Sequence[int], sample: Sequence[RequestShape],
                        compiled: frozenset[tuple[int, int]] = frozenset()) -> tuple[float, float]:

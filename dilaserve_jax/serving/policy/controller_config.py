@@ -73,6 +73,23 @@ class ControllerConfig:
     refine_every_s: float = 10.0
     refine_warmup: float = 1.0 / 3.0
     feedback_window_s: float = 15.0
+    # latency feedback (feedback.py): the served layout's realised mean latency (requests that
+    # arrived since it began serving, over the feedback window, at least this many finished) over
+    # its prediction, smoothed per layout and remembered with the rate it was measured at; a layout's
+    # predicted latency is scaled by it while the rate is within the tolerance, for the memory's span
+    latency_feedback_requests: int = opt(20, "cluster controller: finished requests of the layout being served "
+                                             "before its predicted mean latency is scaled by what it realised "
+                                             "(remembered per layout at that load; 0: off)")
+    latency_feedback_smoothing: float = 0.3
+    # while the current layout keeps up (no backlog predicted), a switch may not lose more predicted
+    # attainment than this for a faster or higher-τ layout: on the conversation mix the objective's
+    # latency term, off by up to 2x near capacity, took the controller from 2x4 to 1x8 at 9.5 req/s
+    # (1.4 points fewer predicted, 91% realised) and, with latency feedback, from 8x1 to
+    # 2+1+1+1+1+1+1 at 20 req/s (docs/simulation.md, "Latency feedback")
+    switch_attainment_tolerance: float = opt(0.005, "cluster controller: the most predicted SLO attainment (a "
+                                                    "fraction) a switch may give up for speed or τ (inf: no limit)")
+    latency_memory_rate_tolerance: float = 0.25
+    latency_memory_s: float = 300.0
     feedback_min_requests: int = opt(0, "cluster controller: finished or overdue requests needed before its "
                                         "prediction for the current layout is corrected to what that layout "
                                         "realised (0: never; the realised share is recorded either way)")
@@ -116,6 +133,11 @@ class ControllerConfig:
                 or not 0 <= self.refine_warmup < 1 or (self.refine_candidates and self.refine_window_s > self.window_s):
             raise ValueError("refine candidates >= 0, replay window in (0, the arrival window], replays reused "
                              "for >= 0 s, warm-up share in [0, 1)")
+        if not self.switch_attainment_tolerance >= 0:
+            raise ValueError("switch attainment tolerance must be >= 0 (inf: no limit)")
+        if self.latency_feedback_requests < 0 or not 0 < self.latency_feedback_smoothing <= 1 \
+                or self.latency_memory_rate_tolerance < 0 or self.latency_memory_s < 0:
+            raise ValueError("latency feedback requests >= 0, smoothing in (0, 1], rate tolerance >= 0, memory >= 0 s")
         if not self.latency_rate_margin >= 0:
             raise ValueError("latency rate margin must be >= 0")
         if not 0 < self.tokens_per_step_smoothing <= 1:

@@ -80,7 +80,8 @@ class HostsController(ClusterController):
 
     def decide(self, now: float, current: Sequence[int], *, in_flight_slack: Sequence[float] = (),
                compiled: frozenset[tuple[int, int]] = frozenset(),
-               realised: tuple[int, int] | None = None) -> Decision:
+               realised: tuple[int, int] | None = None,
+               realised_latency: tuple[float, int] | None = None) -> Decision:
         """As `ClusterController.decide` (`current`: the healthy instances' TP degrees), over the
         live hosts' candidates; the decision's layouts read per host."""
         live = list(self.hosts_now())
@@ -89,7 +90,7 @@ class HostsController(ClusterController):
             return self._record(Decision(now, text, text, False, "a host is joining (no instances yet)", 0.0))
         self._look(live)
         decision = super().decide(now, current, in_flight_slack=in_flight_slack, compiled=compiled,
-                                  realised=realised)
+                                  realised=realised, realised_latency=realised_latency)
         per_host = self._on_hosts(decision)
         self.history[-1] = per_host
         return per_host

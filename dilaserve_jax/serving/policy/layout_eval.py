@@ -23,6 +23,7 @@ class LayoutPrediction:
     attainment: float
     latency_s: float
     tau: float
+    backlog_s: float = 0.0  # of latency_s: the backlog term past the layout's capacity (`_overload`)
 
 
 OVERLOAD_HORIZON_S = 30.0
@@ -58,9 +59,9 @@ def evaluate_layouts(layouts: Sequence[tuple[int, ...]], curves: Mapping[int, Cu
     for mult, weight in shares:
         a, l, u = _at_rate(counts, cvs, take, rate * max(mult, 1e-3))
         att, lat, tau = att + weight / total * a, lat + weight / total * l, tau + weight / total * u
-    if overload_horizon_s:
-        lat = _overload(counts, cvs, rate, overload_horizon_s, lat, tau)
-    return [LayoutPrediction(lay, float(a), float(l), float(u)) for lay, a, l, u in zip(layouts, att, lat, tau)]
+    backlog = _overload(counts, cvs, rate, overload_horizon_s, tau) if overload_horizon_s else np.zeros(len(layouts))
+    return [LayoutPrediction(lay, float(a), float(l + b), float(u), float(b))
+            for lay, a, l, u, b in zip(layouts, att, lat, tau, backlog)]
 
 
 def _at_rate(counts: np.ndarray, curves: Sequence[Curves], take: np.ndarray,
@@ -100,12 +101,13 @@ def _at_rate(counts: np.ndarray, curves: Sequence[Curves], take: np.ndarray,
 
 
 def _overload(counts: np.ndarray, curves: Sequence[Curves], rate: float, horizon_s: float,
-              lat: np.ndarray, tau: np.ndarray) -> np.ndarray:
+              tau: np.ndarray) -> np.ndarray:
     """Past a layout's capacity C (full batches at the mean τ it is predicted to run) nothing is
     refused, so the late work is still served and a backlog grows at λ − C: a request arriving t
     seconds into the horizon waits about (1 − C/λ)·t more (the backlog over the rate it drains
-    at). Over `horizon_s` that adds (1 − C/λ)·H/2 to the mean latency, which the chain alone (where
-    a miss costs nothing) does not see; its attainment is left as the chain finds it."""
+    at). Over `horizon_s` that adds (1 − C/λ)·H/2 to the mean latency (returned: the term), which
+    the chain alone (where a miss costs nothing) does not see; its attainment is left as the chain
+    finds it."""
     cap = np.zeros(len(counts))
     for k, cv in enumerate(curves):
         if cv.capacity_by_tau is None or cv.pressed:  # under pressure a backlog runs everyone at the floor
@@ -113,7 +115,7 @@ def _overload(counts: np.ndarray, curves: Sequence[Curves], rate: float, horizon
         else:  # the grid is descending; np.interp wants it ascending
             cap += counts[:, k] * np.interp(tau, cv.taus[::-1], cv.capacity_by_tau[::-1])
     excess = np.maximum(1.0 - cap / rate, 0.0)
-    return lat + excess * horizon_s / 2.0
+    return excess * horizon_s / 2.0
 
 
 def _inverse(cv: Curves, levels: np.ndarray) -> np.ndarray:

@@ -172,7 +172,7 @@ class Scheduler(PublishedLoad):
         if self.cfg.drop_expired:
             for req in [*self.running.values(), *self.waiting]:
                 if req.deadline < now:
-                    self.outcomes.observe(now, False)
+                    self.outcomes.observe(now, False, now - req.arrival)
                     self._finish(req, RequestState.FINISHED_DEADLINE, now)
         if self.cfg.adaptive:
             self.decisions = self.controller.plan(list(self.running.values()), self.waiting, now,
@@ -356,7 +356,7 @@ class Scheduler(PublishedLoad):
                                     confidence_counts=o.confidence_counts, max_confidence=o.max_confidence)
             if o.request_finished:
                 self.fill.observe(req.committed, req.answer_length, req.block_length)
-                self.outcomes.observe(now, now <= req.deadline)
+                self.outcomes.observe(now, now <= req.deadline, now - req.arrival)
                 req.output_tokens = list(o.answer)
                 self._finish(req, RequestState.FINISHED_OK, now)
                 done.append(req)

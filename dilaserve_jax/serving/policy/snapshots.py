@@ -82,7 +82,8 @@ class LoadSnapshot:
     deadlines: tuple[float, ...] = ()  # of every request here, running and queued
     at_risk: tuple[RequestView, ...] = ()  # requests that cannot meet their deadline here even at τ_min
     quality: QualitySnapshot | None = None  # accuracy-loss budget accounting
-    outcomes: tuple[tuple[float, bool], ...] = ()  # (finish time, deadline met) of the last finishes (outcomes.py)
+    # (finish time, deadline met, latency s) of the last finishes (outcomes.py)
+    outcomes: tuple[tuple[float, bool, float], ...] = ()
 
 
 class EngineState(IntEnum):
