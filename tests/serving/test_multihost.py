@@ -5,6 +5,7 @@ reshaping one host. One Ray cluster for the whole module (start-up is the expens
 the tests run in file order and the later ones use the state the earlier ones leave."""
 import os
 import signal
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -118,16 +119,32 @@ def test_reconfiguring_one_host_under_32_calls_loses_none_and_leaves_the_other(m
     before = hosts.cluster.state()
     first, second = list(dict.fromkeys(i.host for i in before.instances))
     kept = sorted(i.name for i in before.instances if i.host == first)
-    with server.client() as c, ThreadPoolExecutor(32) as pool:
+    reshaped, more = threading.Event(), []
+    with server.client() as c, ThreadPoolExecutor(64) as pool:
         calls = [pool.submit(c.generate, p, max_new_tokens=32, block_length=16) for p in PROMPTS[:32]]
+
+        def feed() -> None:
+            """More calls while the new instance builds, so the removed ones still hold some when they
+            hand over (the first 32 can all finish during the build: placement and timing decide)."""
+            while not reshaped.is_set() and len(more) < 256:
+                i = len(more) % 32
+                more.append((i, pool.submit(c.generate, PROMPTS[i], max_new_tokens=32, block_length=16)))
+                time.sleep(0.02)
         t_end = time.monotonic() + 20
         while (hosts.cluster.in_flight() < 24 or _held_on(hosts, second) < 2) and time.monotonic() < t_end:
             time.sleep(0.002)  # reshape only once the second host holds calls (placement depends on timing)
         assert _held_on(hosts, second) >= 1
         with pytest.raises(Exception, match="one layout per host"):
             c.reconfigure("2")
-        state = c.reconfigure("2x1|2")  # the second host: two TP-1 instances -> one TP-2
+        feeder = threading.Thread(target=feed, daemon=True)
+        feeder.start()
+        try:
+            state = c.reconfigure("2x1|2")  # the second host: two TP-1 instances -> one TP-2
+        finally:
+            reshaped.set()
+            feeder.join(10)
         got = [f.result(60) for f in calls]
+        assert more and [f.result(60).text for _, f in more] == [one_process_answers[i] for i, _ in more]
     assert [r.text for r in got] == one_process_answers[:32]
     assert state.layout == "2x1|1x2"
     assert sorted(i.name for i in state.instances if i.host == first) == kept  # untouched
