@@ -28,8 +28,9 @@ Every `interval_s` the cluster (or the simulator) calls `decide(now, current, sn
   while the load stays near that rate.
 - **Objective.** attainment + `tau_weight`·mean τ − `latency_weight`·latency/latency_now: deadlines
   first, then quality, then speed (at low load every layout meets every deadline at τ_max and the
-  widest instances finish soonest; at high load narrow instances keep τ high). No switch gives up
-  more than `switch_attainment_tolerance` of predicted attainment for speed or τ.
+  widest instances finish soonest; at high load narrow instances keep τ high). While the current
+  layout keeps up, no switch gives up more than `switch_attainment_tolerance` of predicted
+  attainment for speed or τ.
 - **Switching cost.** Bytes that must move (`core.layouts.moved_fraction` of the model per device) at
   `bandwidth_gbps`, building each new instance (`load_s`) plus compiling the placements never
   compiled (`compile_s`; on a GPU with the persistent compile cache a TP degree compiled once is
