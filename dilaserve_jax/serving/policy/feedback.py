@@ -43,7 +43,6 @@ class Measured:
     ratio: float  # realised / predicted mean latency
     rate: float  # arrivals/s priced when it was measured
     time: float  # when it was last measured
-    count: int  # finished requests behind the last measurement
 
 
 class LatencyMemory:
@@ -80,7 +79,7 @@ class LatencyMemory:
             old = self.measured.get(layout)
             if old is not None and self._applies(old, rate, now):
                 obs = old.ratio + self.smoothing * (obs - old.ratio)
-            self.measured[layout] = Measured(obs, rate, now, realised[1])
+            self.measured[layout] = Measured(obs, rate, now)
         return self.get(layout, rate, now)
 
     def get(self, layout: tuple[int, ...], rate: float, now: float) -> Measured | None:
@@ -90,6 +89,8 @@ class LatencyMemory:
     def correct(self, preds: Mapping[tuple[int, ...], LayoutPrediction], rate: float,
                 now: float) -> dict[tuple[int, ...], LayoutPrediction]:
         """The predictions with each remembered layout's mean latency scaled by its ratio."""
+        if not self.measured:  # (every round, over every candidate: nothing to copy)
+            return dict(preds)
         out = {}
         for layout, p in preds.items():
             m = self.get(layout, rate, now)
