@@ -124,7 +124,9 @@ class RayHosts:
         while not self._stop.wait(self.join_interval_s):
             try:
                 self.join_new_hosts()
-            except Exception:  # noqa: BLE001 - try again next round
+            except (Exception, SystemExit):  # noqa: BLE001 - try again next round
+                # ray.get can raise SystemExit in this thread (seen while a loaded machine started
+                # the worker); ending the thread would stop every later join
                 log.exception("adding a host failed")
 
     def join_new_hosts(self) -> int:
@@ -135,7 +137,11 @@ class RayHosts:
             if self._stop.is_set() or (link is not None and link.lost is None):
                 continue
             actor = self._launch(node)
-            engines, infos, _ = self._connect(node, actor)
+            try:
+                engines, infos, _ = self._connect(node, actor)
+            except BaseException:
+                _kill(actor)  # half started: the next round launches a fresh one
+                raise
             try:
                 self.weights.bring_up_to_date(actor)
             except Exception as err:  # noqa: BLE001 - not admitted; a new worker is tried next round
