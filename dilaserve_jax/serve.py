@@ -20,7 +20,7 @@ DEFAULT_COMPILE_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "dilaser
 SHARE = "sharing the machine (e.g. with a training job)"
 CONTROLLER_FLAGS = ("interval_s", "min_dwell_s", "bandwidth_gbps", "feedback_min_requests", "price_bursts",
                     "latency_rate_margin", "latency_feedback_requests",
-                    "switch_attainment_tolerance")
+                    "switch_attainment_tolerance", "late_wait_rounds")
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 CONTROLLER_FLAGS = ("interval_s", "min_dwell_s", "bandwidth_gbps", "compile_s", "load_s", "price_answer_ends",
                     "feedback_min_requests", "price_bursts", "latency_at_answer_ends", "latency_rate_margin",
                     "refine_candidates", "latency_feedback_requests",
-                    "switch_attainment_tolerance")
+                    "switch_attainment_tolerance", "late_wait_rounds")
 
 
 @dataclass(frozen=True, slots=True)

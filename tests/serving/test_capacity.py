@@ -130,3 +130,45 @@ def test_late_requests_ride_in_the_steps_of_the_requests_in_time():
     low = calm.rates < 0.5 * calm.capacity
     assert np.allclose(calm.attainment[low], 1.0)
     assert np.allclose(calm_ridden.latency[low], calm.latency[low])
+
+
+def test_the_time_to_empty_an_m_m_1_chain_is_n_over_mu_minus_lambda():
+    """The first passage from n requests in time to none, as `_Chain` computes it from a stationary
+    distribution: on an M/M/1 queue (λ 6, μ 10) it is n / (μ - λ)."""
+    from dilaserve_jax.serving.policy.capacity import _Chain
+
+    lam, mu, n = 6.0, 10.0, np.arange(400)
+    rho = lam / mu
+    p = ((1 - rho) * rho ** n)[None, :]
+    got = _Chain._to_empty(p, np.array([lam]), np.ones(len(n)))[0]
+    assert np.allclose(got[:40], n[:40] / (mu - lam), rtol=1e-9)
+
+
+def test_a_late_request_waits_for_the_requests_in_time_or_its_starvation():
+    """With the scheduler's starvation rounds, a late request waits for the instance to empty of
+    requests in time, at most until it starves: its latency grows (up to the miss share times the
+    starvation wait) where requests miss, and nothing changes where none do or for attainment and τ."""
+    from dilaserve_jax.serving.policy.capacity import instance_curves
+
+    class Linear:  # a step costs 5 ms per padded request
+        def round_many(self, kind, batch, canvas, block, tp):
+            return 0.005 * (np.asarray(batch, dtype=np.float64) + 0 * np.asarray(canvas))
+
+    rng = np.random.default_rng(0)
+    sample = [RequestShape(prompt_len=int(p), answer_len=64, block_len=32, slo_s=float(s))
+              for p, s in zip(rng.integers(100, 400, 64), rng.uniform(0.1, 0.4, 64))]
+
+    def curves(rounds):
+        return instance_curves(Linear(), 1, sample, 8, (0.9, 0.7, 0.5), (2.0, 3.2, 4.7), tau_floor=0.5,
+                               late_wait_rounds=rounds)
+    behind, waits, long_waits = curves(None), curves(128.0), curves(1024.0)
+    assert np.array_equal(behind.attainment, waits.attainment) and np.array_equal(behind.tau, waits.tau)
+    miss = 1 - behind.attainment
+    calm, missing = miss < 1e-9, miss > 0.05
+    assert calm.any() and missing.any()
+    assert np.allclose(waits.latency[calm], behind.latency[calm])
+    assert np.all(waits.latency[missing] > behind.latency[missing])
+    assert np.all(long_waits.latency[missing] >= waits.latency[missing] - 1e-12)  # a later starvation waits longer
+    # at most the starvation wait on top: 128 rounds at a full batch (8 requests at 5 ms a step)
+    starve = 128 * 8 * 0.005
+    assert np.all(waits.latency - behind.latency <= miss * starve + 1e-9)

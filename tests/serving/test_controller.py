@@ -267,6 +267,22 @@ def test_the_latency_margin_reads_latency_past_the_load_and_leaves_attainment_an
         ControllerConfig(latency_rate_margin=-0.1)
 
 
+def test_late_wait_rounds_reach_the_chain_and_price_only_latency(tp_latency):
+    """`late_wait_rounds` prices a late request as waiting for the requests in time (capacity.py): at
+    a load where layouts miss, their predicted latency grows and attainment and τ stay; off (0) by
+    default, and no negative count."""
+    layouts = [(2, 2, 2, 2), (4, 4), (8,)]
+    sample = [SHAPE, RequestShape(prompt_len=32, answer_len=64, block_len=16, slo_s=0.05)] * 2
+    plain = make(tp_latency).predict(30.0, sample, layouts)
+    waits = make(tp_latency, late_wait_rounds=128).predict(30.0, sample, layouts)
+    assert ControllerConfig().late_wait_rounds == 0
+    assert [(w.attainment, w.tau) for w in waits] == [(p.attainment, p.tau) for p in plain]
+    assert all(p.attainment < 1 for p in plain)
+    assert all(w.latency_s > p.latency_s for w, p in zip(waits, plain))
+    with pytest.raises(ValueError, match="late wait"):
+        ControllerConfig(late_wait_rounds=-1)
+
+
 def _steady(ctl, rate, seconds, realised, layout=(8,), realised_latency=lambda layout: None):
     """Arrivals at `rate` for `seconds`, each round told the current layout realised `realised`
     and `realised_latency(layout)`."""

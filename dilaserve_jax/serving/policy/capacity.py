@@ -147,11 +147,19 @@ def _served(t_ref: np.ndarray, t_reu: np.ndarray, sample: Sequence[RequestShape]
     return n_ref[None] * t_ref[:, None, :] + n_reu[None] * t_reu[:, None, :]
 
 
+def _steps(sample: Sequence[RequestShape], rate: float) -> np.ndarray:
+    """Steps each sampled request takes at `rate` tokens per step (`_served`'s count): [request]."""
+    block = np.array([r.block_len for r in sample], dtype=np.float64)
+    blocks = np.array([r.answer_len // r.block_len for r in sample], dtype=np.float64)
+    return np.maximum(1.0, blocks * np.maximum(1.0, np.ceil(block / max(1.0, rate))))
+
+
 def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShape], slots: int,
                     taus: Sequence[float], tokens_per_step: Sequence[float], *, tau_floor: float,
                     target_utilisation: float = 0.85, shapes: StepShapes | None = None,
                     max_states: int = 1024, pressure_share: float | None = None,
-                    late_riders: int = 1, last_block_fill: float = 1.0) -> Curves:
+                    late_riders: int = 1, last_block_fill: float = 1.0,
+                    late_wait_rounds: float | None = None) -> Curves:
     """Tabulate one TP-`tp` instance over arrival rates up to twice its capacity (see module doc).
 
     The instance is a birth-death chain on the requests in time it holds (n): with n present,
@@ -173,7 +181,13 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
     (0: the misses cost the requests in time nothing, as before; see the comment in `solve`).
 
     `last_block_fill`: the share of its last block a request decodes before its answer ends
-    (`service_times`)."""
+    (`service_times`).
+
+    `late_wait_rounds`: the scheduler rounds a late request waits at most before it goes first
+    (starvation: `SchedulerConfig.max_skip / at_risk_skip_share`). With it, a late request waits
+    until the requests in time have all left (the chain's first passage to an empty instance from
+    the state it found) or it starves, whichever comes first, then runs; None: it runs right behind
+    the requests in time it found (the latency of late requests 10-20x short where many miss)."""
     if not sample:
         raise ValueError("need at least one sampled request")
     taus_arr = np.asarray(taus, dtype=np.float64)  # descending
@@ -191,6 +205,9 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
     allowed = taus_arr >= tau_floor - 1e-9
     lowest = int(np.flatnonzero(allowed)[-1]) if allowed.any() else len(taus_arr) - 1
     capacity = slots / mean_t[slots - 1, lowest]
+    starve_s = None
+    if late_wait_rounds is not None:  # those rounds at a full batch, everyone at the floor
+        starve_s = late_wait_rounds * float(np.mean(times[slots - 1, lowest] / _steps(sample, rates_arr[lowest])))
     rates = np.concatenate([[0.0], np.geomspace(capacity / 200, 2 * capacity, RATE_POINTS - 1)])
 
     low = np.minimum(np.maximum(tau_min, tau_floor), tau_max)  # [J] each request's effective floor
@@ -206,7 +223,7 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
     loaded_plan = (loaded_times if plan is times else heavier(plan)) if k else None
 
     def solve(allowed: np.ndarray):
-        plain = _Chain(times, mean_t, allowed, floor_idx, slo, taus_arr, slots, depth, lowest, plan)
+        plain = _Chain(times, mean_t, allowed, floor_idx, slo, taus_arr, slots, depth, lowest, plan, starve_s)
         att, lat, tau, batch, late_t = plain.solve(rates)
         if not k:
             return att, lat, tau
@@ -218,7 +235,7 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
         # chain was up to 35 points optimistic where many requests miss even on an idle instance
         # (SLOs tight for the TP degree: a TP-1 instance under SLOs set by a TP-8 one)
         loaded = _Chain(loaded_times, loaded_mean, allowed, floor_idx, slo, taus_arr, slots, depth, lowest,
-                        loaded_plan).solve(rates)
+                        loaded_plan, starve_s).solve(rates)
         share = np.clip(rates * (1.0 - att) * late_t / k, 0.0, 1.0)
         return tuple(share * h + (1.0 - share) * p for h, p in zip(loaded[:3], (att, lat, tau)))
     attainment, latency_s, tau_mean = solve(allowed_j)
@@ -249,9 +266,11 @@ class _Chain:
     """The birth-death chain of `instance_curves`, over the requests in time an arrival finds."""
 
     def __init__(self, times, mean_t, allowed_j, floor_idx, slo, taus, slots: int, depth: int, lowest: int,
-                 plan=None):
+                 plan=None, starve_s: float | None = None):
         """`times` [B, T, J]: what serving takes (`mean_t`: its mean over J); `plan`: what the planner
-        prices it at (None: the same)."""
+        prices it at (None: the same); `starve_s`: the longest a late request waits (None: it does
+        not wait for the requests in time, see `instance_curves`)."""
+        self.starve_s = starve_s
         self.times, self.mean_t, self.allowed_j, self.floor_idx = times, mean_t, allowed_j, floor_idx
         self.plan = times if plan is None else plan
         self.slo, self.taus, self.slots, self.lowest = slo, taus, slots, lowest
@@ -287,9 +306,15 @@ class _Chain:
         logp -= logp.max(axis=1, keepdims=True)
         p = np.exp(logp)
         p /= p.sum(axis=1, keepdims=True)  # [R, N]
-        # a miss runs at its floor behind the requests in time found with it
-        late = wait[:, self.lowest][:, None] + times[batch_idx][:, self.floor_idx, np.arange(len(self.slo))]
-        lat_n = np.where(met, wait_t + own_t, late).mean(axis=1)
+        own_late = times[batch_idx][:, self.floor_idx, np.arange(len(self.slo))]  # [N, J] a miss at its floor
+        if self.starve_s is None:  # a miss runs behind the requests in time found with it
+            late = wait[:, self.lowest][:, None] + own_late
+            latency = p @ np.where(met, wait_t + own_t, late).mean(axis=1)
+        else:  # it waits until the instance has emptied of requests in time, or it starves
+            in_time = np.where(met, wait_t + own_t, 0.0).mean(axis=1)  # [N]
+            late = np.where(met, 0.0, own_late).mean(axis=1)  # [N]
+            waited = np.minimum(self._to_empty(p, rates, join), self.starve_s)  # [R, N]
+            latency = (p * (in_time + late + (1.0 - join)[None, :] * waited)).sum(axis=1)
         # a late request's own time (at its floor, at the batch the chain runs), over the misses
         batch = p @ np.minimum(n + 1, slots)  # [R]
         missed = p @ (~met).astype(np.float64)  # [R, J]
@@ -297,7 +322,18 @@ class _Chain:
         at_b = own_floor[np.clip(np.rint(batch).astype(np.int64), 1, slots) - 1]  # [R, J]
         weight = missed.sum(axis=1)
         late_t = np.where(weight > 1e-12, (missed * at_b).sum(axis=1) / np.maximum(weight, 1e-12), at_b.mean(axis=1))
-        return p @ join, p @ lat_n, p @ self.taus[chosen].mean(axis=1), batch, late_t
+        return p @ join, latency, p @ self.taus[chosen].mean(axis=1), batch, late_t
+
+    @staticmethod
+    def _to_empty(p: np.ndarray, rates: np.ndarray, join: np.ndarray) -> np.ndarray:
+        """[R, N]: mean time from n requests in time to none. The chain crosses down from k to k - 1
+        as often as up, at λ·join[k-1]·p[k-1] per second, and spends P(n >= k) of its time above, so
+        one passage down takes P(n >= k) / (λ·join[k-1]·p[k-1]); from n: the sum over k <= n."""
+        above = np.cumsum(p[:, ::-1], axis=1)[:, ::-1]  # P(n >= k)
+        flux = rates[:, None] * join[None, :-1] * p[:, :-1]  # [R, N - 1] crossings of (k - 1, k), k = 1..
+        with np.errstate(divide="ignore", invalid="ignore"):
+            down = np.where(flux > 1e-300, above[:, 1:] / flux, np.inf)
+        return np.concatenate([np.zeros((len(p), 1)), np.cumsum(down, axis=1)], axis=1)
 
 
 def with_latency_of(curves: Curves, other: Curves) -> Curves:

@@ -232,7 +232,8 @@ class ClusterController:
         def curves(tp: int, fill: float):
             return instance_curves(self._model(tp), tp, sample, self.slots, self.taus, self.tokens_per_step,
                                    tau_floor=self.tau_floor, target_utilisation=self.cfg.target_utilisation,
-                                   shapes=self.shapes, pressure_share=self.pressure_share, last_block_fill=fill)
+                                   shapes=self.shapes, pressure_share=self.pressure_share, last_block_fill=fill,
+                                   late_wait_rounds=self.cfg.late_wait_rounds or None)
         fill = self.last_block_fill
         priced = fill if self.cfg.price_answer_ends else 1.0  # deadlines and τ
         out = {}

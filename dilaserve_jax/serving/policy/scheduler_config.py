@@ -14,6 +14,11 @@ POLICIES = ("fcfs-static", "edf-static", "dilaserve")
 OVERLOAD_RULES = dict(starved_at_risk_slots=1, rider_cost=0.1, shortest_late_first=True)
 OVERLOAD_RULES_OFF = dict(starved_at_risk_slots=None, rider_cost=math.inf, shortest_late_first=False)
 ADMISSION_MODES = ("best-effort", "strict")
+MAX_SKIP = 16
+AT_RISK_SKIP_SHARE = 0.125
+# the rounds with a free slot a late request waits at most before it goes first (the controller
+# prices late requests' latency by it)
+LATE_WAIT_ROUNDS = MAX_SKIP / AT_RISK_SKIP_SHARE
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,8 +29,8 @@ class SchedulerConfig:
     static_tau: float = 0.9  # τ of the static policies (clamped to each request's [τ_min, τ_max])
     max_queue: int = 256  # waiting requests beyond this are rejected
     max_batch: int | None = None  # default: num_slots
-    max_skip: int = 16  # rounds a runnable request may be passed over before it goes first
-    at_risk_skip_share: float = 0.125  # dilaserve: a skip of a request at risk counts this much (see module doc)
+    max_skip: int = MAX_SKIP  # rounds a runnable request may be passed over before it goes first
+    at_risk_skip_share: float = AT_RISK_SKIP_SHARE  # dilaserve: a skip of a request at risk counts this much (see module doc)
     admission: str = "best-effort"  # or "strict": refuse what cannot meet its deadline (see module doc)
     drop_expired: bool = False  # finish requests past their deadline as FINISHED_DEADLINE
     # under trial, off by default: near capacity it sends back requests that would still have finished
