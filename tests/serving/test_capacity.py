@@ -16,6 +16,20 @@ class _ComputeBound:
         return 0.010 * b if kind == StepKind.REFRESH else 0.001 + 0 * b
 
 
+class _Linear:
+    """A step costs 5 ms per padded request."""
+
+    def round_many(self, kind, batch, canvas, block, tp):
+        return 0.005 * (np.asarray(batch, dtype=np.float64) + 0 * np.asarray(canvas))
+
+
+def _mixed_slos() -> list[RequestShape]:
+    """64 requests, prompts of 100-400 tokens, SLOs of 0.1-0.4 s (some miss once the instance loads)."""
+    rng = np.random.default_rng(0)
+    return [RequestShape(prompt_len=int(p), answer_len=64, block_len=32, slo_s=float(s))
+            for p, s in zip(rng.integers(100, 400, 64), rng.uniform(0.1, 0.4, 64))]
+
+
 def _curves(tp: int, capacity: float) -> Curves:
     rates = np.array([0.0, capacity / 2, capacity, 2 * capacity])
     return Curves(tp, rates, np.array([1.0, 1.0, 0.8, 0.4]), np.array([1.0, 1.2, 2.0, 3.0]),
@@ -68,14 +82,8 @@ def test_a_loaded_instance_is_priced_at_the_floor_under_arrival_pressure():
     backlog is priced at the floor's capacity."""
     from dilaserve_jax.serving.policy.capacity import instance_curves
 
-    class Linear:  # a step costs 5 ms per padded request
-        def round_many(self, kind, batch, canvas, block, tp):
-            return 0.005 * (np.asarray(batch, dtype=np.float64) + 0 * np.asarray(canvas))
-
-    rng = np.random.default_rng(0)
-    sample = [RequestShape(prompt_len=int(p), answer_len=64, block_len=32, slo_s=float(s))
-              for p, s in zip(rng.integers(100, 400, 64), rng.uniform(0.1, 0.4, 64))]
-    args = (Linear(), 1, sample, 8, (0.9, 0.7, 0.5), (2.0, 3.2, 4.7))
+    sample = _mixed_slos()
+    args = (_Linear(), 1, sample, 8, (0.9, 0.7, 0.5), (2.0, 3.2, 4.7))
     plain = instance_curves(*args, tau_floor=0.5)
     pressed = instance_curves(*args, tau_floor=0.5, pressure_share=0.05)
     assert pressed.pressed and not plain.pressed
@@ -104,16 +112,12 @@ def test_late_requests_ride_in_the_steps_of_the_requests_in_time():
     where nothing misses it is that chain's."""
     from dilaserve_jax.serving.policy.capacity import instance_curves
 
-    class Linear:  # a step costs 5 ms per padded request
-        def round_many(self, kind, batch, canvas, block, tp):
-            return 0.005 * (np.asarray(batch, dtype=np.float64) + 0 * np.asarray(canvas))
-
     rng = np.random.default_rng(0)
     loose = [RequestShape(prompt_len=int(p), answer_len=64, block_len=32, slo_s=5.0)
              for p in rng.integers(100, 400, 64)]
     # a third cannot make it even alone (two blocks at 4.7 tokens a step: 14 steps of 5 ms)
     tight = [replace(r, slo_s=0.02 if i % 3 == 0 else 5.0) for i, r in enumerate(loose)]
-    args = (Linear(), 1, (0.9, 0.7, 0.5), (2.0, 3.2, 4.7))
+    args = (_Linear(), 1, (0.9, 0.7, 0.5), (2.0, 3.2, 4.7))
 
     def curves(sample, riders):
         return instance_curves(args[0], args[1], sample, 8, *args[2:], tau_floor=0.5, late_riders=riders)
@@ -150,16 +154,10 @@ def test_a_late_request_waits_for_the_requests_in_time_or_its_starvation():
     starvation wait) where requests miss, and nothing changes where none do or for attainment and τ."""
     from dilaserve_jax.serving.policy.capacity import instance_curves
 
-    class Linear:  # a step costs 5 ms per padded request
-        def round_many(self, kind, batch, canvas, block, tp):
-            return 0.005 * (np.asarray(batch, dtype=np.float64) + 0 * np.asarray(canvas))
-
-    rng = np.random.default_rng(0)
-    sample = [RequestShape(prompt_len=int(p), answer_len=64, block_len=32, slo_s=float(s))
-              for p, s in zip(rng.integers(100, 400, 64), rng.uniform(0.1, 0.4, 64))]
+    sample = _mixed_slos()
 
     def curves(rounds):
-        return instance_curves(Linear(), 1, sample, 8, (0.9, 0.7, 0.5), (2.0, 3.2, 4.7), tau_floor=0.5,
+        return instance_curves(_Linear(), 1, sample, 8, (0.9, 0.7, 0.5), (2.0, 3.2, 4.7), tau_floor=0.5,
                                late_wait_rounds=rounds)
     behind, waits, long_waits = curves(None), curves(128.0), curves(1024.0)
     assert np.array_equal(behind.attainment, waits.attainment) and np.array_equal(behind.tau, waits.tau)

@@ -147,13 +147,6 @@ def _served(t_ref: np.ndarray, t_reu: np.ndarray, sample: Sequence[RequestShape]
     return n_ref[None] * t_ref[:, None, :] + n_reu[None] * t_reu[:, None, :]
 
 
-def _steps(sample: Sequence[RequestShape], rate: float) -> np.ndarray:
-    """Steps each sampled request takes at `rate` tokens per step (`_served`'s count): [request]."""
-    block = np.array([r.block_len for r in sample], dtype=np.float64)
-    blocks = np.array([r.answer_len // r.block_len for r in sample], dtype=np.float64)
-    return np.maximum(1.0, blocks * np.maximum(1.0, np.ceil(block / max(1.0, rate))))
-
-
 def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShape], slots: int,
                     taus: Sequence[float], tokens_per_step: Sequence[float], *, tau_floor: float,
                     target_utilisation: float = 0.85, shapes: StepShapes | None = None,
@@ -207,7 +200,9 @@ def instance_curves(latency: LatencyModel, tp: int, sample: Sequence[RequestShap
     capacity = slots / mean_t[slots - 1, lowest]
     starve_s = None
     if late_wait_rounds is not None:  # those rounds at a full batch, everyone at the floor
-        starve_s = late_wait_rounds * float(np.mean(times[slots - 1, lowest] / _steps(sample, rates_arr[lowest])))
+        unit = np.ones((1, len(sample)))  # `_served` at one second a step counts each request's steps
+        steps = _served(unit, unit, sample, rates_arr[lowest:lowest + 1], 1.0)[0, 0]
+        starve_s = late_wait_rounds * float(np.mean(times[slots - 1, lowest] / steps))
     rates = np.concatenate([[0.0], np.geomspace(capacity / 200, 2 * capacity, RATE_POINTS - 1)])
 
     low = np.minimum(np.maximum(tau_min, tau_floor), tau_max)  # [J] each request's effective floor
