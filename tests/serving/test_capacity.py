@@ -76,9 +76,10 @@ def test_the_backlog_is_priced_at_the_capacity_of_the_tau_the_layout_runs():
 
 def test_a_loaded_instance_is_priced_at_the_floor_under_arrival_pressure():
     """Instances whose arrival-pressure rule is on run everyone at the floor once deadlines are lost,
-    and the overload rules keep late work from the requests in time past the capacity as well: where
-    the plain chain misses the share the prediction is the pressed chain's (τ at the floor,
-    attainment no lower) for the part of the time the rule is on, elsewhere the plain chain's; the
+    and the overload rules keep late work from the requests in time past the capacity as well. The
+    rule is on for the part of the time that brings the at-risk share back to the share, which sets
+    the τ; the requests found at risk turn it on before they finish, so where the plain chain misses
+    the share, attainment and latency are the pressed chain's, ramped in from no misses; the
     backlog is priced at the floor's capacity."""
     from dilaserve_jax.serving.policy.capacity import instance_curves
 
@@ -86,18 +87,28 @@ def test_a_loaded_instance_is_priced_at_the_floor_under_arrival_pressure():
     args = (_Linear(), 1, sample, 8, (0.9, 0.7, 0.5), (2.0, 3.2, 4.7))
     plain = instance_curves(*args, tau_floor=0.5)
     pressed = instance_curves(*args, tau_floor=0.5, pressure_share=0.05)
+    floored = instance_curves(_Linear(), 1, sample, 8, (0.5,), (4.7,), tau_floor=0.5)  # everyone at the floor
     assert pressed.pressed and not plain.pressed
     on = 1 - plain.attainment >= 0.05
     assert on.any() and (~on).any() and (plain.rates[on] > plain.capacity).any()
-    assert np.array_equal(pressed.attainment[~on], plain.attainment[~on])
-    # pressed for the share of the time that brings the misses back to 5% (all of it where even the
-    # floor misses more): attainment no lower, τ between the plain chain's and the floor
+    # where the plain chain misses the share: the floor's attainment and latency, no worse than plain
+    assert np.allclose(pressed.attainment[on], floored.attainment[on])
+    assert np.allclose(pressed.latency[on], floored.latency[on])
     assert np.all(pressed.attainment[on] >= plain.attainment[on] - 1e-9)
+    assert (pressed.attainment[on] > 0.95 + 1e-3).any()  # not held at 1 - share
+    # below the share: plain moved toward the floor by its miss share over the share (no jump at it)
+    ramp = (1 - plain.attainment[~on]) / 0.05
+    assert np.allclose(pressed.attainment[~on],
+                       plain.attainment[~on] + ramp * (floored.attainment[~on] - plain.attainment[~on]))
+    edge = int(np.flatnonzero(on)[0])
+    assert abs(pressed.attainment[edge] - pressed.attainment[edge - 1]) < 0.02
+    # τ: pressed for the share of the time that brings the misses back to 5% (all of it where even
+    # the floor misses more), between the plain chain's and the floor; the plain chain's below
+    assert np.array_equal(pressed.tau[~on], plain.tau[~on])
     assert np.all(pressed.tau[on] <= plain.tau[on] + 1e-9) and np.all(pressed.tau[on] >= 0.5 - 1e-9)
-    settled = on & (pressed.attainment > 0.95 - 1e-9)
-    assert settled.any() and np.allclose(pressed.attainment[settled], 0.95)
-    floor = on & (pressed.attainment < 0.95 - 1e-6)
-    assert floor.any() and np.allclose(pressed.tau[floor], 0.5)
+    part = on & (pressed.tau > 0.5 + 1e-6)
+    assert part.any() and (on & ~part).any()
+    assert np.all(floored.attainment[on & ~part] <= 0.95 + 1e-9)
     # the backlog term uses the floor's capacity, not the capacity at the τ the chain predicts
     over = 1.5 * plain.capacity
     p = evaluate_layouts([(1,)], {1: pressed}, over, overload_horizon_s=30.0)[0]
