@@ -169,14 +169,30 @@ def test_layout_restriction_and_missing_fits_are_errors(tp_latency):
         ClusterController(ControllerConfig(), num_devices=8, tp_degrees=(1, 2), latency=one_tp, slots=8, param_bytes=1)
 
 
-def test_the_sample_spreads_over_the_window_and_keeps_the_newest(tp_latency):
+def test_the_sample_is_the_windows_quantiles_of_work(tp_latency):
     from dataclasses import replace
     ctl = make(tp_latency, window_s=10.0, sample_size=4)
-    for i in range(100):  # 10 req/s for 10 s, each arrival a different prompt length
-        ctl.observe(replace(SHAPE, prompt_len=10 + i), i * 0.1)
+    order = np.random.default_rng(0).permutation(100)
+    for i, k in enumerate(order):  # 10 req/s for 10 s, prompt lengths 10..109 in random order
+        ctl.observe(replace(SHAPE, prompt_len=10 + int(k)), i * 0.1)
     rate, sample = ctl.load(10.0)
     assert rate == pytest.approx(10.0)
-    assert [s.prompt_len for s in sample] == [34, 59, 84, 109]  # not the last four (106-109)
+    assert [s.prompt_len for s in sample] == [22, 47, 72, 97]  # the quartiles' midpoints, not arrival order
+
+
+def test_the_sample_holds_a_heavy_tailed_windows_mean_work(tp_latency):
+    from dataclasses import replace
+    errors = []
+    for seed in range(10):  # ten windows of 3,000 arrivals with answers of 1..16 blocks, heavy in the tail
+        blocks = np.minimum(np.random.default_rng(seed).geometric(0.45, size=3000), 16)
+        ctl = make(tp_latency, window_s=30.0, sample_size=256)
+        for i, b in enumerate(blocks):
+            ctl.observe(replace(SHAPE, answer_len=16 * int(b)), i * 0.01)
+        _, sample = ctl.load(30.0)
+        assert len(sample) == 256
+        errors.append(np.mean([s.answer_len // s.block_len for s in sample]) / blocks.mean() - 1)
+    # a sample of 256 spread in arrival order misses the mean by ~5% (one standard error) window to window
+    assert max(abs(e) for e in errors) < 0.01
 
 
 def test_the_tokens_per_step_estimate_is_smoothed_over_rounds(tp_latency):

@@ -72,7 +72,7 @@ from dilaserve_jax.serving.policy.controller_config import (  # noqa: F401 - re-
 from dilaserve_jax.serving.policy.latency import LatencyModel
 from dilaserve_jax.serving.policy.feedback import LatencyMemory, checked_rate
 from dilaserve_jax.serving.policy.layout_eval import LayoutPrediction, evaluate_layouts
-from dilaserve_jax.serving.policy.load_window import load_moved, rate_since
+from dilaserve_jax.serving.policy.load_window import load_moved, quantile_sample, rate_since
 from dilaserve_jax.serving.policy.migration import MigrationPlanner
 from dilaserve_jax.serving.policy.refinement import Refinement
 from dilaserve_jax.serving.policy.switch_cost import build_seconds
@@ -153,10 +153,10 @@ class ClusterController:
             return 0.0, []
         span = min(self.cfg.window_s, max(now - recent[0][0], self.cfg.interval_s))
         rate, k = len(recent) / span, self.cfg.sample_size
-        if len(recent) > k:  # evenly spaced over the window, the newest always in
-            step = len(recent) / k
-            recent = [recent[len(recent) - 1 - int(i * step)] for i in range(k)][::-1]
-        return rate, [s for _, s in recent]
+        shapes = [s for _, s in recent]
+        if len(shapes) > k:  # the window's quantiles of work (`load_window.quantile_sample`)
+            shapes = quantile_sample(shapes, k)
+        return rate, shapes
 
     def load_moving(self, now: float) -> str | None:
         """Why the window's rate is not yet the load (it lags a ramp), or None when it has settled:
