@@ -25,6 +25,7 @@ from dilaserve_jax.serving.cluster.engine import Engine
 from dilaserve_jax.serving.cluster.engine_types import RequestResult
 from dilaserve_jax.serving.cluster.iteration_trace import IterationTracer
 from dilaserve_jax.serving.policy.latency import LatencyModel
+from dilaserve_jax.serving.policy.layout_eval import LayoutPrediction
 from dilaserve_jax.serving.policy.limits import DEFAULT_MAX_QUEUE
 from dilaserve_jax.serving.policy.quality import BUDGET_MODES
 from dilaserve_jax.serving.policy.request import Request, RequestState
@@ -227,6 +228,18 @@ class Simulation:
                                  shapes=StepShapes(getattr(self.step_time, "length_buckets", ()),
                                                    getattr(self.step_time, "batch_buckets", ())))
 
+    def first_window_predictions(self) -> tuple[list[RequestSpec], list[LayoutPrediction]]:
+        """(the arrivals of the first controller window, the controller's prediction for every candidate
+        layout from them, as it measures the load after that window); ([], []) without arrivals there."""
+        first = [s for s in self.specs if s.arrival < self.cfg.controller.window_s]
+        if not first:
+            return [], []
+        controller = self._controller(self._candidates())
+        for s in first:
+            controller.observe(_shape(s, self.cfg), s.arrival)
+        rate, sample = controller.load(first[-1].arrival)
+        return first, controller.predict(rate, sample, spread=controller.spread(first[-1].arrival, sample))
+
     def initial_layout(self) -> str:
         cfg = self.cfg
         if is_schedule(cfg.layout):
@@ -235,16 +248,9 @@ class Simulation:
             return cfg.layout
         if cfg.initial_layout:
             return cfg.initial_layout
-        cands = self._candidates()
-        window = cfg.controller.window_s
-        first = [s for s in self.specs if s.arrival < window]
+        first, preds = self.first_window_predictions()
         if not first:
-            return layout_text(cands[0])
-        controller = self._controller(cands)
-        for s in first:  # the load as the controller itself measures it after the first window
-            controller.observe(_shape(s, cfg), s.arrival)
-        rate, sample = controller.load(first[-1].arrival)
-        preds = controller.predict(rate, sample, spread=controller.spread(first[-1].arrival, sample))
+            return layout_text(self._candidates()[0])
         ref = min(p.latency_s for p in preds)
         k = cfg.controller.refine_candidates
         if k and self.runner_factory is None:  # the shortlist as it replays (sim/refine.py)

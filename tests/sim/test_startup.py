@@ -10,7 +10,7 @@ import pytest
 from dilaserve_jax.core.layouts import layout_text
 from dilaserve_jax.serving.policy.controller import ControllerConfig
 from dilaserve_jax.sim.setup import setup_model
-from dilaserve_jax.sim.simulator import SimConfig, Simulation, _shape
+from dilaserve_jax.sim.simulator import SimConfig, Simulation
 from dilaserve_jax.sim.slos import assign_slos
 from dilaserve_jax.sim.workload import RequestSpec, arrival_times, build_shapes, load_trace, parse_slo
 
@@ -40,18 +40,6 @@ def _sim(llada, specs, **ctl):
                       prior=llada.prior, param_bytes=llada.param_bytes)
 
 
-def _first_window_attainment(sim):
-    """Layout -> the attainment the controller predicts for it over the run's first window (what
-    `initial_layout` ranks)."""
-    ctl = sim._controller(sim._candidates())
-    first = [s for s in sim.specs if s.arrival < sim.cfg.controller.window_s]
-    for s in first:
-        ctl.observe(_shape(s, sim.cfg), s.arrival)
-    rate, sample = ctl.load(first[-1].arrival)
-    return {layout_text(p.layout): p.attainment
-            for p in ctl.predict(rate, sample, spread=ctl.spread(first[-1].arrival, sample))}
-
-
 def test_a_fast_ramp_reaches_the_steady_layout_within_one_dwell(llada):
     dwell = ControllerConfig().min_dwell_s
     # the layout a steady 90 req/s run starts on (the prediction for its first window)
@@ -74,7 +62,7 @@ def test_a_fast_ramp_reaches_the_steady_layout_within_one_dwell(llada):
     # level with it (an intermediate layout, fit for the lagging window's rate, is far below there)
     assert jump < first.time <= jump + dwell, str(first)
     if first.chosen != steady:
-        at_steady = _first_window_attainment(steady_sim)
+        at_steady = {layout_text(p.layout): p.attainment for p in steady_sim.first_window_predictions()[1]}
         assert at_steady[steady] - at_steady[first.chosen] <= 0.01, (str(first), at_steady)
     assert [(r.old, r.new) for r in res.reconfigurations][:1] == [(low, first.chosen)]
     # before the window caught up with the ramp, the controller said why it waited
