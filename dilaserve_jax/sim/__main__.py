@@ -147,6 +147,9 @@ def run(cfg: SimConfig, workload: WorkloadConfig, command: SimCommand) -> tuple[
            "total_wall_s": time.perf_counter() - wall0, "total_cpu_s": time.process_time() - cpu0,
            "final_layout": res.layouts[-1][1], "start_layout": res.layouts[0][1], "devices": cfg.devices,
            "model": command.model, "profile": m.profile.label}
+    if res.step_stats is not None:
+        row["steps"] = res.step_stats.to_json(row["completed"])
+        row["steps_note"] = res.step_stats.describe(row["completed"])
     if m.quality.extrapolated_below:
         row["accuracy_note"] = (f"accuracy below τ {m.quality.extrapolated_below:g} is extrapolated from the published "
                                 f"points ({100 * row.get('extrapolated_share', 0.0):.1f}% of committed positions)")
@@ -219,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row.get('predicted_loss_points', 0.0):.2f} points")
         if "accuracy_note" in row:
             print(row["accuracy_note"])
+        if "steps_note" in row:
+            print(row["steps_note"])
     if command.plot:
         plot_timeline(res, command.plot)
         log.info(f"wrote {command.plot}")

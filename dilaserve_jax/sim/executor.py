@@ -25,6 +25,7 @@ from dilaserve_jax.sim.quality import Progress, QualityModel, RequestPlan
 
 if TYPE_CHECKING:
     from dilaserve_jax.sim.host_time import HostTimeModel
+    from dilaserve_jax.sim.step_stats import StepStats
 
 TOKEN = 1  # the modelled runner's stand-in token id (answers are counted, not read)
 
@@ -132,9 +133,10 @@ class ModelledRunner:
 
     def __init__(self, num_slots: int, tp_degree: int, clock: VirtualClock, step_time: StepTimeModel,
                  quality: QualityModel, plans: Mapping[int, RequestPlan], seed: int = 0,
-                 host_time: "HostTimeModel | None" = None) -> None:
+                 host_time: "HostTimeModel | None" = None, stats: "StepStats | None" = None) -> None:
         """host_time: host seconds charged with each step on (batch, `queue_depth()`), besides the step
-        model's constant `overhead_s` (`sim/host_time.py`)."""
+        model's constant `overhead_s` (`sim/host_time.py`); stats: where each step is counted
+        (`sim/step_stats.py`)."""
         if num_slots < 1:
             raise ValueError("num_slots must be >= 1")
         self.num_slots, self.tp_degree, self.clock = num_slots, tp_degree, clock
@@ -144,6 +146,7 @@ class ModelledRunner:
         self.steps_run = 0
         self.busy_s = 0.0
         self.host_time = host_time
+        self.stats = stats
         self.queue_depth: Callable[[], int] = lambda: 0  # set by the simulator: the scheduler's waiting count
         self.last_host_s = 0.0  # host time charged with the last step (the iteration trace's)
 
@@ -180,6 +183,8 @@ class ModelledRunner:
         self.clock.advance(dt)
         self.steps_run += 1
         self.busy_s += dt
+        if self.stats is not None:
+            self.stats.record(self.tp_degree, kind, len(slots), dt)
         return out
 
     def _advance(self, slot: int, st: _Slot, tau: float) -> SlotOutcome:

@@ -37,6 +37,7 @@ from dilaserve_jax.sim.executor import ModelledRunner, StepTimeModel, VirtualClo
 from dilaserve_jax.sim.host_time import HostTimeModel
 from dilaserve_jax.sim.policies import ABLATIONS, threshold_controller_class
 from dilaserve_jax.sim.quality import QualityModel, RequestPlan, make_plan
+from dilaserve_jax.sim.step_stats import StepStats
 from dilaserve_jax.sim.workload import RequestSpec
 
 
@@ -145,6 +146,7 @@ class SimResult:
     decisions: int = 0
     quality: str = ""
     extrapolated_below: float = 0.0
+    step_stats: StepStats | None = None  # the modelled runners' steps (None with a runner_factory)
 
 
 class Simulation:
@@ -179,6 +181,7 @@ class Simulation:
         self.hooks: list = []  # step hooks added to every engine (tests)
         self.runner_factory = runner_factory
         self.host_time = host_time
+        self.step_stats = StepStats() if runner_factory is None else None
         self.traces: dict[str, IterationTracer] | None = {} if trace else None
 
     # --- construction ---
@@ -189,7 +192,8 @@ class Simulation:
             runner = self.runner_factory(info, clock)
         else:
             runner = ModelledRunner(cfg.slots, info.tp_degree, clock, self.step_time, self.quality, self.plans,
-                                    seed=cfg.seed * 1009 + info.device_ids[0], host_time=self.host_time)
+                                    seed=cfg.seed * 1009 + info.device_ids[0], host_time=self.host_time,
+                                    stats=self.step_stats)
         ctl = self._tclass(self._tcfg) if self._tclass is not None else None
         sched = Scheduler(SchedulerConfig(cfg.slots, policy=cfg.policy, tp=info.tp_degree, static_tau=cfg.static_tau,
                                           max_queue=cfg.max_queue, threshold=self._tcfg,
@@ -340,7 +344,8 @@ class Simulation:
         q = self.quality
         return SimResult(cfg, self.records, time.perf_counter() - t_wall, cluster.now, cluster.reconfigurations,
                          dict(cluster.migrations), layouts, len(ctl.history) if ctl is not None else 0,
-                         (q.source or q.name) if q is not None else "", q.extrapolated_below if q is not None else 0.0)
+                         (q.source or q.name) if q is not None else "", q.extrapolated_below if q is not None else 0.0,
+                         self.step_stats)
 
     def make_request(self, i: int) -> Request:
         """The i-th request of the workload; its seed (i + 1) keys its plan in the modelled runner."""

@@ -254,3 +254,25 @@ def test_a_request_lost_by_the_cluster_stops_the_run_with_its_id(llada, monkeypa
     monkeypatch.setattr(SimCluster, "_place", drop_one)
     with pytest.raises(RuntimeError, match=r"stalled .* 1 request\(s\) unfinished .*r3"):
         sim.run()
+
+
+def test_the_step_counts_add_up_to_the_requests_steps(llada, capsys):
+    from dilaserve_jax.core.kinds import StepKind
+    from dilaserve_jax.sim.__main__ import main
+
+    res = _sim(llada, _llada_specs(20, 4), devices=8, policy="fcfs-static", layout="2x4").run()
+    stats = res.step_stats
+    assert {tp for tp, _ in stats.counts} == {4}
+    ok = [r for r in res.records if r.state == "FINISHED_OK"]
+    assert len(ok) == len(res.records) > 40
+    # every step a request took was counted once in a batch, and only those
+    assert sum(c.requests for c in stats.counts.values()) == sum(r.steps for r in ok)
+    refresh, reuse = stats.counts[4, StepKind.REFRESH], stats.counts[4, StepKind.REUSE]
+    assert refresh.steps and reuse.steps and 1.0 <= refresh.mean_batch <= 8 and 1.0 <= reuse.mean_batch <= 8
+    assert stats.busy_s() == pytest.approx(refresh.seconds + reuse.seconds) and stats.busy_s() > 0
+    out = stats.to_json(len(ok))
+    assert out["by_tp"]["4"]["reuse"]["steps"] == reuse.steps
+    assert out["step_s_per_finished"] == pytest.approx(stats.busy_s() / len(ok))
+    assert main(["--trace", "poisson:5", "--duration", "3", "--devices", "4", "--layout", "4x1", "--no-progress"]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("steps: ")]
+    assert len(line) == 1 and "TP 1 " in line[0] and "step-s per finished request" in line[0]
