@@ -33,8 +33,8 @@ from dilaserve_jax.sim.executor import ModelledRunner, StepTimeModel, VirtualClo
 from dilaserve_jax.sim.host_time import HostTimeModel
 from dilaserve_jax.sim.policies import threshold_controller_class
 from dilaserve_jax.sim.quality import QualityModel, RequestPlan, make_plan
-from dilaserve_jax.sim.step_stats import StepStats
 from dilaserve_jax.sim.sim_config import SimConfig
+from dilaserve_jax.sim.step_stats import StepStats
 from dilaserve_jax.sim.workload import RequestSpec
 
 

@@ -44,7 +44,7 @@ class StepStats:
     def to_json(self, finished: int) -> dict:
         """{"by_tp": {tp: {kind: {steps, mean_batch, seconds}}}, "step_s_per_finished": s or None}."""
         by_tp: dict[str, dict] = {}
-        for (tp, kind), c in sorted(self.counts.items(), key=lambda kv: (kv[0][0], kv[0][1].name)):
+        for (tp, kind), c in sorted(self.counts.items()):  # TP, then refresh before reuse
             by_tp.setdefault(str(tp), {})[kind.name.lower()] = {
                 "steps": c.steps, "mean_batch": round(c.mean_batch, 3), "seconds": round(c.seconds, 3)}
         return {"by_tp": by_tp, "step_s_per_finished": self.busy_s() / finished if finished else None}
